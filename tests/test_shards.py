@@ -1,0 +1,117 @@
+from dataclasses import dataclass, field
+
+import pytest
+
+from spes_node.shards import (
+    choose_shard,
+    expert_to_shard,
+    plan_rebalance,
+    replica_counts,
+    shard_experts,
+    under_replicated,
+)
+
+
+@dataclass
+class Node:
+    shards: list[int]
+    tokens_per_s: float = 100.0
+    state: str = "training"
+    extra: dict = field(default_factory=dict)
+
+
+def _swarm(*shards_per_node, **states):
+    return {
+        f"peer{i}": Node(shards=[shard], state=states.get(f"peer{i}", "training"))
+        for i, shard in enumerate(shards_per_node)
+    }
+
+
+def test_shard_experts_partition_and_inverse():
+    assert shard_experts(0, 16, 4) == range(0, 4)
+    assert shard_experts(3, 16, 4) == range(12, 16)
+    covered = [expert for shard in range(4) for expert in shard_experts(shard, 8, 4)]
+    assert covered == list(range(8))
+    for expert in range(32):
+        assert expert in shard_experts(expert_to_shard(expert, 32, 8), 32, 8)
+
+
+@pytest.mark.parametrize(
+    ("call", "field_name"),
+    [
+        (lambda: shard_experts(0, 10, 4), "num_experts"),
+        (lambda: shard_experts(4, 8, 4), "shard"),
+        (lambda: shard_experts(0, 8, 0), "num_shards"),
+        (lambda: expert_to_shard(8, 8, 4), "expert"),
+        (lambda: expert_to_shard(0, 6, 4), "num_experts"),
+    ],
+)
+def test_bad_split_names_the_field(call, field_name):
+    with pytest.raises(ValueError, match=field_name):
+        call()
+
+
+def test_choose_shard_prefers_fewest_replicas():
+    nodes = _swarm(0, 0, 1, 2, 2, 3)
+    assert choose_shard(nodes, 4) == 1
+    assert choose_shard({}, 4) == 0
+
+
+def test_choose_shard_ties_by_throughput_then_index():
+    nodes = {"a": Node([0], 50.0), "b": Node([1], 10.0), "c": Node([2], 10.0), "d": Node([3], 30.0)}
+    assert choose_shard(nodes, 4) == 1
+    nodes["b"].tokens_per_s = 60.0
+    assert choose_shard(nodes, 4) == 2
+
+
+def test_choose_shard_excludes_own_record():
+    nodes = {"me": Node([1]), "a": Node([0]), "b": Node([0]), "c": Node([1])}
+    assert choose_shard(nodes, 2) == 0
+    assert choose_shard(nodes, 2, exclude_peer="me") == 1
+
+
+def test_replica_counts_and_under_replicated_ignore_foreign_shards():
+    nodes = {"a": Node([0, 0]), "b": Node([0, 5]), "c": Node([2])}
+    assert replica_counts(nodes, 4) == [2, 0, 1, 0]
+    assert under_replicated(nodes, 4, 2) == [1, 2, 3]
+    assert under_replicated(nodes, 4, 1) == [1, 3]
+
+
+def test_rebalance_moves_exactly_one_node():
+    nodes = _swarm(0, 0, 0, 1, 1, 2, 2, 3)
+    moves = {peer: plan_rebalance(nodes, peer, 4, 2) for peer in nodes}
+    assert moves == {peer: (3 if peer == "peer0" else None) for peer in nodes}
+
+
+def test_rebalance_without_over_replicated_shard_moves_only_when_gap_is_two():
+    nodes = _swarm(0, 0, 1, 2, 3)
+    assert all(plan_rebalance(nodes, peer, 4, 2) is None for peer in nodes)
+    nodes = _swarm(0, 0, 1, 1, 2)
+    moves = {peer: plan_rebalance(nodes, peer, 4, 2) for peer in nodes}
+    assert moves == {peer: (3 if peer == "peer0" else None) for peer in nodes}
+
+
+def test_rebalance_balanced_swarm_stays():
+    nodes = _swarm(0, 0, 1, 1, 2, 2, 3, 3, 0)
+    assert all(plan_rebalance(nodes, peer, 4, 2) is None for peer in nodes)
+
+
+def test_rebalance_only_training_nodes_move_but_joining_ones_count():
+    nodes = _swarm(0, 0, 0, 1, 1, 2, 2, 3, peer0="joining")
+    moves = {peer: plan_rebalance(nodes, peer, 4, 2) for peer in nodes}
+    assert moves == {peer: (3 if peer == "peer1" else None) for peer in nodes}
+    nodes["peer8"] = Node([3], state="joining")
+    assert all(plan_rebalance(nodes, peer, 4, 2) is None for peer in nodes)
+
+
+def test_rebalance_converges():
+    nodes = _swarm(0, 0, 0, 0, 0, 0, 1, 1)
+    for _ in range(10):
+        moves = {peer: plan_rebalance(nodes, peer, 4, 2) for peer in nodes}
+        moving = {peer: shard for peer, shard in moves.items() if shard is not None}
+        if not moving:
+            break
+        assert len(moving) == 1
+        ((peer, shard),) = moving.items()
+        nodes[peer].shards = [shard]
+    assert replica_counts(nodes, 4) == [2, 2, 2, 2]
