@@ -1,0 +1,323 @@
+"""The swarm configuration: one root dataclass, read from a TOML preset or file, hashed for the swarm record.
+
+Everything in `SpesConfig` must be identical on every node of a swarm (its hash is compared on join). What may
+differ between nodes (device, checkpoint directory, peers, shard) lives in `NodeOptions` in node.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
+FROZEN_DTYPES = ("fp32", "bf16", "int8")
+OUTER_OPTIMIZERS = ("average", "nesterov")
+WIRE_COMPRESSIONS = ("none", "fp16", "uint8")
+
+
+@dataclass
+class ModelConfig:
+    """The OLMoE architecture (as transformers' `OlmoeForCausalLM` implements it)."""
+
+    vocab_size: int = 260
+    """Size of the token vocabulary (embedding rows and logits)."""
+    hidden_size: int = 128
+    """Model width d."""
+    num_layers: int = 2
+    """Number of decoder layers, each attention + MoE."""
+    num_heads: int = 4
+    """Attention heads."""
+    num_kv_heads: int = 0
+    """Key/value heads for grouped-query attention; 0 means equal to num_heads."""
+    num_experts: int = 8
+    """Experts per MoE layer (E)."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    expert_ffn: int = 256
+    """Hidden size of each SwiGLU expert."""
+    max_seq_len: int = 2048
+    """Longest sequence the rotary embedding is configured for."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    rms_norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm."""
+    norm_topk_prob: bool = False
+    """Renormalise the top-k router probabilities to sum to one (OLMoE: false)."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the LM head."""
+    z_loss: float = 1e-3
+    """Coefficient of the router z-loss."""
+    lb_loss: float = 0.01
+    """Coefficient of the load-balancing loss."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_experts", "top_k", "expert_ffn"):
+            _require(getattr(self, name) > 0, f"model.{name}", "must be positive")
+        _require(self.hidden_size % self.num_heads == 0, "model.num_heads", "must divide model.hidden_size")
+        _require(self.num_kv_heads >= 0, "model.num_kv_heads", "must be >= 0")
+        _require(self.num_heads % self.kv_heads == 0, "model.num_kv_heads", "must divide model.num_heads")
+        _require(self.top_k <= self.num_experts, "model.top_k", "must be <= model.num_experts")
+        _require(self.max_seq_len > 0, "model.max_seq_len", "must be positive")
+
+
+@dataclass
+class TrainConfig:
+    """Local training: inner optimiser, schedule and batch."""
+
+    seq_len: int = 128
+    """Tokens per training sequence."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward pass."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimiser step."""
+    lr: float = 3e-3
+    """Peak learning rate of the inner AdamW."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule ends at lr * min_lr_ratio."""
+    warmup_steps: int = 20
+    """Linear warm-up steps."""
+    total_steps: int = 2000
+    """Length of the cosine schedule in local steps; training may continue at the floor."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    seed: int = 0
+    """Seed of the initial weights (the same on every node) and of the data order."""
+    log_every: int = 10
+    """Log one line every this many steps."""
+    checkpoint_every: int = 0
+    """Also checkpoint every this many steps (0: only at round ends and on exit)."""
+    keep_checkpoints: int = 3
+    """Checkpoints kept on disk."""
+    eval_batches: int = 4
+    """Validation batches used for evaluation loss."""
+
+    def validate(self) -> None:
+        for name in ("seq_len", "micro_batch_size", "grad_accum", "total_steps", "log_every", "keep_checkpoints"):
+            _require(getattr(self, name) > 0, f"train.{name}", "must be positive")
+        _require(self.lr > 0, "train.lr", "must be positive")
+        _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
+        _require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1", "betas must be in [0, 1)")
+        _require(self.grad_clip >= 0, "train.grad_clip", "must be >= 0")
+        _require(self.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
+        _require(self.eval_batches >= 0, "train.eval_batches", "must be >= 0")
+
+
+@dataclass
+class SwarmConfig:
+    """SPES: shards, rounds, averaging, refresh and the expert-merging warm-up."""
+
+    num_shards: int = 4
+    """S: the experts of each layer are split into this many shards."""
+    sync_steps: int = 100
+    """H: local steps per round."""
+    refresh_every: int = 1
+    """Refresh frozen experts from their holders every this many rounds."""
+    replication_target: int = 2
+    """Wanted replicas per shard; a shard below it is under-replicated."""
+    outer_optimizer: str = "average"
+    """'average' (plain mean, as published) or 'nesterov' (DiLoCo outer step on the pseudo-gradient)."""
+    outer_lr: float = 0.7
+    """Outer learning rate for 'nesterov'."""
+    outer_momentum: float = 0.9
+    """Outer momentum for 'nesterov'."""
+    frozen_dtype: str = "fp32"
+    """Storage of frozen experts: fp32, bf16 or int8."""
+    wire_compression: str = "fp16"
+    """Compression of tensors on the wire: none, fp16 or uint8."""
+    matchmaking_time: float = 5.0
+    """Seconds a node waits to gather peers into an averaging group."""
+    averaging_timeout: float = 60.0
+    """Seconds after which an all-reduce gives up on slow or dead peers."""
+    heartbeat_s: float = 5.0
+    """Period of the node record heartbeat; records expire after 3 heartbeats."""
+    merge_interval: int = 500
+    """Expert merging runs on sync steps that are multiples of this."""
+    merge_alpha0: float = 0.02
+    """Initial merge strength alpha0."""
+    merge_horizon: int = 10000
+    """Steps T over which alpha decays linearly to zero."""
+    merge_topk: int = 4
+    """K: most similar experts each expert is pulled towards."""
+
+    def validate(self, model: ModelConfig) -> None:
+        _require(self.num_shards > 0, "swarm.num_shards", "must be positive")
+        _require(
+            model.num_experts % self.num_shards == 0,
+            "swarm.num_shards",
+            f"must divide model.num_experts ({model.num_experts})",
+        )
+        for name in ("sync_steps", "refresh_every", "replication_target", "merge_interval", "merge_horizon"):
+            _require(getattr(self, name) > 0, f"swarm.{name}", "must be positive")
+        _require(self.outer_optimizer in OUTER_OPTIMIZERS, "swarm.outer_optimizer", f"must be one of {OUTER_OPTIMIZERS}")
+        _require(self.frozen_dtype in FROZEN_DTYPES, "swarm.frozen_dtype", f"must be one of {FROZEN_DTYPES}")
+        _require(
+            self.wire_compression in WIRE_COMPRESSIONS,
+            "swarm.wire_compression",
+            f"must be one of {WIRE_COMPRESSIONS}",
+        )
+        _require(self.outer_lr > 0, "swarm.outer_lr", "must be positive")
+        _require(0 <= self.outer_momentum < 1, "swarm.outer_momentum", "must be in [0, 1)")
+        _require(self.matchmaking_time > 0, "swarm.matchmaking_time", "must be positive")
+        _require(self.averaging_timeout > 0, "swarm.averaging_timeout", "must be positive")
+        _require(self.heartbeat_s > 0, "swarm.heartbeat_s", "must be positive")
+        _require(self.merge_alpha0 >= 0, "swarm.merge_alpha0", "must be >= 0")
+        _require(self.merge_topk > 0, "swarm.merge_topk", "must be positive")
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from."""
+
+    tokenizer: str = "bytes"
+    """'bytes' (embedded byte-level tokenizer) or a Hugging Face tokenizer directory or hub id."""
+    source: str = "default"
+    """Default data spec: 'default' (embedded corpus), 'hf:NAME[:CONFIG]', or local parquet/jsonl/text files."""
+    val_fraction: float = 0.02
+    """Fraction of documents held out for validation."""
+
+    def validate(self, model: ModelConfig) -> None:
+        _require(0 < self.val_fraction < 1, "data.val_fraction", "must be in (0, 1)")
+        _require(bool(self.tokenizer), "data.tokenizer", "must not be empty")
+
+
+@dataclass
+class SpesConfig:
+    """The root configuration of a swarm."""
+
+    name: str = "custom"
+    """Preset or config name, for display."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def validate(self) -> SpesConfig:
+        self.model.validate()
+        self.train.validate()
+        self.swarm.validate(self.model)
+        self.data.validate(self.model)
+        _require(
+            self.train.seq_len <= self.model.max_seq_len, "train.seq_len", "must be <= model.max_seq_len"
+        )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        """Canonical JSON: the bytes that are hashed and published in the swarm record."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def hash(self) -> str:
+        return config_hash(self.to_json())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SpesConfig:
+        return _build(cls, data, prefix="").validate()
+
+    @classmethod
+    def from_json(cls, text: str) -> SpesConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config: not valid JSON: {e}") from None
+        return cls.from_dict(data)
+
+    def replace(self, **sections: dict[str, Any]) -> SpesConfig:
+        """A copy with some fields overridden, e.g. `cfg.replace(swarm={"sync_steps": 5})`."""
+        data = self.to_dict()
+        for section, values in sections.items():
+            if section not in data or not isinstance(data[section], dict):
+                raise ValueError(f"config: unknown section '{section}'")
+            data[section].update(values)
+        return SpesConfig.from_dict(data)
+
+
+def config_hash(config_json: str) -> str:
+    return hashlib.sha256(config_json.encode()).hexdigest()
+
+
+def list_presets() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.toml"))
+
+
+def load_preset(name: str) -> SpesConfig:
+    path = PRESETS_DIR / f"{name}.toml"
+    if not path.is_file():
+        raise ValueError(f"unknown preset '{name}' (available: {', '.join(list_presets())})")
+    return load_config(path)
+
+
+def load_config(path: str | Path) -> SpesConfig:
+    """Read a TOML (or JSON) config file; errors name the file and the field."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read config {path}: {e.strerror or e}") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"config {path}: {e}") from None
+    try:
+        return SpesConfig.from_dict(data)
+    except ValueError as e:
+        raise ValueError(f"config {path}: {e}") from None
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix.rstrip('.') or 'config'}: expected a table, got {type(data).__name__}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ValueError(f"unknown field '{prefix}{unknown[0]}'")
+    kwargs = {}
+    for name, value in data.items():
+        f = known[name]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            kwargs[name] = _build(type(default), value, prefix=f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(value, default, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, default: Any, name: str) -> Any:
+    expected = type(default)
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if expected is bool and not isinstance(value, bool):
+        raise ValueError(f"{name}: expected true or false, got {value!r}")
+    if expected is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"{name}: expected an integer, got {value!r}")
+    if not isinstance(value, expected):
+        raise ValueError(f"{name}: expected {expected.__name__}, got {value!r}")
+    return value
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")
