@@ -122,7 +122,7 @@ class CheckpointManager:
                 "files": files,
             }
             document = {**body, "checksum": _json_checksum(body)}
-            _write_bytes(tmp / META_FILE, json.dumps(document, indent=1, sort_keys=True).encode())
+            _write_bytes(tmp / META_FILE, json.dumps(document, indent=1).encode())
             _fsync_dir(tmp)
             self._install(tmp, final)
         except OSError as e:
@@ -357,7 +357,7 @@ def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
         while chunk := f.read(_HASH_CHUNK):
             digest.update(chunk)
         os.fsync(f.fileno())
-    return {"sha256": digest.hexdigest(), "size": path.stat().st_size}
+    return {"sha256": digest.hexdigest(), "size": path.stat().st_size, "keys": list(tensors)}
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
@@ -404,11 +404,13 @@ def _load(path: Path, step: int) -> Checkpoint:
     meta = document.get("meta")
     if not isinstance(meta, dict):
         raise _Corrupt("meta.json holds no metadata dict")
-    tensors = _read_tensors(path / MODEL_FILE)
+    tensors = _read_tensors(path / MODEL_FILE, files[MODEL_FILE])
     optimizer = None
     if optimizer_structure is not None:
         try:
-            optimizer = unflatten_state(optimizer_structure, _read_tensors(path / OPTIMIZER_FILE))
+            optimizer = unflatten_state(
+                optimizer_structure, _read_tensors(path / OPTIMIZER_FILE, files[OPTIMIZER_FILE])
+            )
         except ValueError as e:
             raise _Corrupt(f"optimizer state: {e}") from None
     return Checkpoint(step=step, tensors=tensors, optimizer=optimizer, meta=meta, path=path)
@@ -454,9 +456,14 @@ def _verify_file(path: Path, expected: Any) -> None:
         raise _Corrupt(f"{path.name} sha256 mismatch")
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def _read_tensors(path: Path, expected: dict) -> dict[str, torch.Tensor]:
+    """The file's tensors, in the order they were saved in."""
     try:
-        return load_file(path)
+        tensors = load_file(path)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise _Corrupt(f"{path.name} does not load: {reason}") from None
+    keys = expected.get("keys")
+    if not isinstance(keys, list) or sorted(keys) != sorted(tensors):
+        raise _Corrupt(f"{path.name} holds other tensors than meta.json lists")
+    return {key: tensors[key] for key in keys}
