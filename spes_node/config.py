@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
 FROZEN_DTYPES = ("fp32", "bf16", "int8")
@@ -66,7 +67,15 @@ class ModelConfig:
         return self.hidden_size // self.num_heads
 
     def validate(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_experts", "top_k", "expert_ffn"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_experts",
+            "top_k",
+            "expert_ffn",
+        ):
             _require(getattr(self, name) > 0, f"model.{name}", "must be positive")
         _require(self.hidden_size % self.num_heads == 0, "model.num_heads", "must divide model.hidden_size")
         _require(self.num_kv_heads >= 0, "model.num_kv_heads", "must be >= 0")
@@ -113,7 +122,14 @@ class TrainConfig:
     """Validation batches used for evaluation loss."""
 
     def validate(self) -> None:
-        for name in ("seq_len", "micro_batch_size", "grad_accum", "total_steps", "log_every", "keep_checkpoints"):
+        for name in (
+            "seq_len",
+            "micro_batch_size",
+            "grad_accum",
+            "total_steps",
+            "log_every",
+            "keep_checkpoints",
+        ):
             _require(getattr(self, name) > 0, f"train.{name}", "must be positive")
         _require(self.lr > 0, "train.lr", "must be positive")
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
@@ -170,7 +186,11 @@ class SwarmConfig:
         )
         for name in ("sync_steps", "refresh_every", "replication_target", "merge_interval", "merge_horizon"):
             _require(getattr(self, name) > 0, f"swarm.{name}", "must be positive")
-        _require(self.outer_optimizer in OUTER_OPTIMIZERS, "swarm.outer_optimizer", f"must be one of {OUTER_OPTIMIZERS}")
+        _require(
+            self.outer_optimizer in OUTER_OPTIMIZERS,
+            "swarm.outer_optimizer",
+            f"must be one of {OUTER_OPTIMIZERS}",
+        )
         _require(self.frozen_dtype in FROZEN_DTYPES, "swarm.frozen_dtype", f"must be one of {FROZEN_DTYPES}")
         _require(
             self.wire_compression in WIRE_COMPRESSIONS,

@@ -65,7 +65,9 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x)).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.num_heads)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.num_heads
+        )
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -189,7 +191,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         moe_out, router_logits = self.mlp(self.post_attention_layernorm(x))
         return x + moe_out, router_logits
@@ -259,7 +263,9 @@ class MoEForCausalLM(nn.Module):
     def _load_balance(self, router_logits: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(router_logits.float(), dim=-1)
         top_i = torch.topk(probs, self.cfg.top_k, dim=-1).indices
-        counts = torch.zeros_like(probs[0]).scatter_add_(0, top_i.flatten(), torch.ones_like(top_i.flatten(), dtype=probs.dtype))
+        counts = torch.zeros_like(probs[0]).scatter_add_(
+            0, top_i.flatten(), torch.ones_like(top_i.flatten(), dtype=probs.dtype)
+        )
         fraction = counts / top_i.shape[0]
         return self.cfg.num_experts * (fraction * probs.mean(dim=0)).sum()
 

@@ -23,7 +23,9 @@ def apply_ownership(model: MoEForCausalLM, owned: Iterable[int], frozen_dtype: s
     for layer in model.model.layers:
         for index, shard in enumerate(layer.mlp.shards):
             want_trainable = index in owned
-            if shard.trainable != want_trainable or (not want_trainable and shard.frozen_dtype != frozen_dtype):
+            if shard.trainable != want_trainable or (
+                not want_trainable and shard.frozen_dtype != frozen_dtype
+            ):
                 shard.set_trainable(want_trainable, frozen_dtype)
 
 
@@ -69,8 +71,22 @@ def load_dense_state_dict(model: MoEForCausalLM, state: dict[str, torch.Tensor])
     expected = set(shared) | {name for s in range(model.num_shards) for name in shard_tensors(model, s)}
     missing, unexpected = expected - set(state), set(state) - expected
     if missing or unexpected:
-        raise ValueError(f"state dict mismatch: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
+        raise ValueError(
+            f"state dict mismatch: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
+        )
     for name, p in shared.items():
         p.copy_(state[name])
     for shard in range(model.num_shards):
         load_shard_tensors(model, shard, state)
+
+
+def data_part(nodes, peer_id: str, shard: int, num_shards: int, replication_target: int) -> tuple[int, int]:
+    """This node's part of the data: (part, num_parts), disjoint from every other live node's part.
+
+    Parts are indexed by shard and by the node's rank among the shard's holders (peer ids sorted), so nodes that
+    hold different shards, or the same shard at different ranks, read different documents. A shard with more than
+    `replication_target` holders wraps around, and its extra replicas share parts.
+    """
+    holders = sorted({p for p, n in nodes.items() if shard in n.shards and n.state != "leaving"} | {peer_id})
+    rank = holders.index(peer_id) % replication_target
+    return shard * replication_target + rank, num_shards * replication_target

@@ -116,3 +116,22 @@ def plan_rebalance(
     if not movers or movers[0] != my_peer_id:
         return None
     return destination
+
+
+def assign_joiners(
+    nodes: Mapping[str, ShardHolder], joiners: Sequence[str], num_shards: int
+) -> dict[str, int]:
+    """Shards for nodes joining at the same time: in peer-id order, each takes ``choose_shard`` of the swarm
+    plus the joiners before it, so simultaneous joiners spread out instead of all taking the same shard."""
+
+    class _Claim:
+        def __init__(self, shard: int):
+            self.shards, self.tokens_per_s = [shard], 0.0
+
+    counted = {peer: node for peer, node in nodes.items() if node.shards and peer not in joiners}
+    assigned: dict[str, int] = {}
+    for peer in sorted(set(joiners)):
+        shard = choose_shard(counted, num_shards)
+        assigned[peer] = shard
+        counted[peer] = _Claim(shard)
+    return assigned

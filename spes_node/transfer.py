@@ -77,7 +77,9 @@ class StateServer:
             self.snapshots.pop(part, None)
             self._updated.notify_all()
 
-    async def _handle(self, request: StateRequest, context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+    async def _handle(
+        self, request: StateRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
         if request.config_hash != self.config_hash:
             logger.warning(f"refusing state request from {context.remote_id}: config hash mismatch")
             return
@@ -130,7 +132,9 @@ async def download_part(
 
     async def receive() -> None:
         nonlocal metadata, nbytes
-        stream = p2p.iterate_protobuf_handler(peer, f"{HANDLER_PREFIX}.{run_id}", request, averaging_pb2.DownloadData)
+        stream = await p2p.iterate_protobuf_handler(
+            peer, f"{HANDLER_PREFIX}.{run_id}", request, averaging_pb2.DownloadData
+        )
         async for message in stream:
             if message.metadata and metadata is None:
                 if len(message.metadata) > MAX_METADATA_BYTES:
@@ -171,7 +175,9 @@ def validate_tensors(
     out = {}
     for name, tensor in zip(names, tensors):
         if tensor.shape != expected[name]:
-            raise TransferError(f"{source}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}")
+            raise TransferError(
+                f"{source}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}"
+            )
         tensor = tensor.float()
         if not torch.isfinite(tensor).all():
             raise TransferError(f"{source}: {name} has non-finite values")

@@ -1,0 +1,196 @@
+"""The `spes-node` command line: parse flags, build the config, run the command. Every flag also reads SPES_<FLAG>."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import sys
+from pathlib import Path
+
+import click
+
+from spes_node import __version__
+
+logger = logging.getLogger(__name__)
+
+
+class UserError(click.ClickException):
+    """One line on stderr, exit code 2 (click's usage-error convention for bad input)."""
+
+    exit_code = 2
+
+    def show(self, file=None) -> None:
+        click.echo(f"spes-node: error: {self.message}", err=True, file=file)
+
+
+def user_errors(fn):
+    """Turn the errors a user can fix into one clear line and a non-zero exit, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from spes_node.checkpoint import CheckpointError
+        from spes_node.node import NodeError
+
+        try:
+            return fn(*args, **kwargs)
+        except (ValueError, NodeError, CheckpointError, FileNotFoundError, PermissionError) as e:
+            raise UserError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+        except KeyboardInterrupt:
+            sys.exit(130)
+
+    return wrapper
+
+
+def option(*names, **kwargs):
+    """A click option that also reads SPES_<FLAG> from the environment."""
+    flag = next(n for n in names if n.startswith("--"))
+    kwargs.setdefault("envvar", "SPES_" + flag[2:].upper().replace("-", "_"))
+    kwargs.setdefault("show_envvar", True)
+    return click.option(*names, **kwargs)
+
+
+def load_cfg(config: str | None, preset: str | None):
+    from spes_node.config import load_config, load_preset
+
+    if config and preset:
+        raise ValueError("pass either --config or --preset, not both")
+    if config:
+        return load_config(config)
+    if preset:
+        return load_preset(preset)
+    return None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="spes-node")
+def main() -> None:
+    """spes-node: train a mixture-of-experts model with peers over the internet (SPES)."""
+
+
+@main.command()
+@option("--peers", multiple=True, help="Multiaddr of a swarm peer (repeat). Without it, found a new swarm.")
+@option("--config", type=click.Path(dir_okay=False), help="Swarm config file (TOML or JSON).")
+@option("--preset", help="Named config from configs/ (tiny, small, spes-1b, spes-7b).")
+@option("--run-id", default="spes", show_default=True, help="Name of the swarm (training run).")
+@option(
+    "--host-maddrs", multiple=True, help="Multiaddrs to listen on (default: all interfaces, random port)."
+)
+@option("--announce-maddrs", multiple=True, help="Multiaddrs other peers should dial (public address).")
+@option(
+    "--identity", type=click.Path(dir_okay=False), help="Identity key file (default: in the checkpoint dir)."
+)
+@option(
+    "--shard",
+    default="auto",
+    show_default=True,
+    help="Shard to train, or 'auto' to take the least replicated.",
+)
+@option("--data", help="Data spec: default, hf:NAME[:CONFIG], or local parquet/jsonl/text files.")
+@option("--checkpoint-dir", default="checkpoints", show_default=True, type=click.Path(file_okay=False))
+@option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+@option("--max-rounds", type=int, help="Leave after this many rounds.")
+@option("--metrics-port", type=int, help="Serve Prometheus metrics on this port.")
+@option("--public-name", default="", help="Name shown in `spes-node status`.")
+@option(
+    "--client-mode",
+    is_flag=True,
+    help="No inbound connections (behind NAT): train and average through others.",
+)
+@user_errors
+def join(
+    peers,
+    config,
+    preset,
+    run_id,
+    host_maddrs,
+    announce_maddrs,
+    identity,
+    shard,
+    data,
+    checkpoint_dir,
+    device,
+    max_rounds,
+    metrics_port,
+    public_name,
+    client_mode,
+) -> None:
+    """Run a training node: found a swarm, or join one with --peers."""
+    from spes_node.logs import setup_logging
+    from spes_node.node import Node, NodeOptions
+
+    setup_logging()
+    cfg = load_cfg(config, preset)
+    if cfg is None and not peers:
+        from spes_node.config import load_preset
+
+        logger.info("no --preset or --config: founding a swarm with the 'tiny' preset")
+        cfg = load_preset("tiny")
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run_id):
+        raise ValueError(f"--run-id: use 1-64 letters, digits, '_' or '-', got '{run_id}'")
+    if shard != "auto" and not shard.isdigit():
+        raise ValueError(f"--shard: expected a shard index or 'auto', got '{shard}'")
+    if max_rounds is not None and max_rounds < 1:
+        raise ValueError("--max-rounds: must be >= 1")
+    opts = NodeOptions(
+        peers=list(peers),
+        run_id=run_id,
+        host_maddrs=list(host_maddrs) or ["/ip4/0.0.0.0/tcp/0"],
+        announce_maddrs=list(announce_maddrs),
+        identity=Path(identity) if identity else None,
+        shard=None if shard == "auto" else int(shard),
+        data=data,
+        checkpoint_dir=Path(checkpoint_dir),
+        device=device,
+        max_rounds=max_rounds,
+        metrics_port=metrics_port,
+        public_name=public_name,
+        client_mode=client_mode,
+    )
+    node = Node(cfg, opts)
+    node.install_signal_handlers()
+    node.run()
+
+
+@main.command()
+@option(
+    "--nodes", default=3, show_default=True, type=click.IntRange(1, 16), help="Training daemons to start."
+)
+@option("--preset", default="tiny", show_default=True)
+@option("--config", type=click.Path(dir_okay=False), help="Config file instead of a preset.")
+@option("--max-rounds", default=5, show_default=True, type=click.IntRange(1))
+@option("--workdir", default="runs/simulate", show_default=True, type=click.Path(file_okay=False))
+@option("--data", help="Data spec for every node (default: the config's).")
+@user_errors
+def simulate(nodes, preset, config, max_rounds, workdir, data) -> None:
+    """A local swarm: a bootstrap DHT plus N daemons on 127.0.0.1, a live view, then a summary."""
+    from spes_node.logs import setup_logging
+    from spes_node.simulate import run_simulation
+
+    setup_logging("WARNING")
+    cfg = load_cfg(config, None if config else preset)
+    code = run_simulation(cfg, num_nodes=nodes, max_rounds=max_rounds, workdir=Path(workdir), data=data)
+    sys.exit(code)
+
+
+@main.command()
+@option("--host-maddrs", multiple=True, help="Multiaddrs to listen on.")
+@option("--announce-maddrs", multiple=True, help="Multiaddrs other peers should dial.")
+@option(
+    "--identity",
+    type=click.Path(dir_okay=False),
+    help="Identity key file; created if missing. A fixed one gives a fixed multiaddr.",
+)
+@option("--peers", multiple=True, help="Other bootstrap peers.")
+@user_errors
+def dht(host_maddrs, announce_maddrs, identity, peers) -> None:
+    """A bare bootstrap DHT peer (for docker compose and public bootstrap nodes)."""
+    from spes_node.bootstrap import run_bootstrap
+    from spes_node.logs import setup_logging
+
+    setup_logging()
+    run_bootstrap(list(host_maddrs) or ["/ip4/0.0.0.0/tcp/0"], list(announce_maddrs), identity, list(peers))
+
+
+if __name__ == "__main__":
+    main()

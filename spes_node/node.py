@@ -1,0 +1,444 @@
+"""The spes-node daemon: startup (DHT, config, checkpoint, shard, state download), the training loop, shutdown.
+
+The loop reads like the method: H local steps, then one `sync()` (see `SpesRound`), then a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hivemind
+import torch
+from hivemind.dht.crypto import RSASignatureValidator
+
+from spes_node import __version__, records
+from spes_node.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
+from spes_node.config import SpesConfig
+from spes_node.data import TokenBatcher, validation_batches
+from spes_node.identity import load_or_create_identity
+from spes_node.model import MoEForCausalLM
+from spes_node.rounds import SpesRound
+from spes_node.sharding import apply_ownership, data_part
+from spes_node.shards import assign_joiners
+from spes_node.tokenizer import load_tokenizer
+from spes_node.trainer import Trainer, resolve_device
+
+logger = logging.getLogger(__name__)
+
+
+class NodeError(Exception):
+    """A problem the user can fix; the CLI prints it as one line."""
+
+
+@dataclass
+class NodeOptions:
+    """What may differ between the nodes of one swarm (everything else is in `SpesConfig`)."""
+
+    peers: list[str] = field(default_factory=list)
+    run_id: str = "spes"
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    announce_maddrs: list[str] = field(default_factory=list)
+    identity: Path | None = None
+    shard: int | None = None
+    data: str | None = None
+    checkpoint_dir: Path = Path("checkpoints")
+    device: str = "auto"
+    max_rounds: int | None = None
+    metrics_port: int | None = None
+    public_name: str = ""
+    client_mode: bool = False
+    join_timeout: float = 30.0
+
+
+@dataclass
+class NodeStatus:
+    """What the node reports about itself: its DHT record, its metrics and its log lines."""
+
+    state: str = "joining"
+    round: int = 0
+    tokens: int = 0
+    tokens_per_s: float = 0.0
+    loss: float = float("nan")
+    loss_history: list[float] = field(default_factory=list)
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+    bytes_received: dict[str, int] = field(default_factory=dict)
+
+    def add_bytes(self, kind: str, sent: int, received: int) -> None:
+        self.bytes_sent[kind] = self.bytes_sent.get(kind, 0) + sent
+        self.bytes_received[kind] = self.bytes_received.get(kind, 0) + received
+
+
+class Node:
+    def __init__(self, cfg: SpesConfig | None, opts: NodeOptions):
+        self.cfg, self.opts = cfg, opts
+        self.status = NodeStatus()
+        self.stop_event = threading.Event()
+        self.rounds_done = 0
+        self.steps_into_round = 0
+        self.tokens_since_sync = 0
+        self.round_losses: list[float] = []
+        self._heartbeat: threading.Thread | None = None
+        self.dht: hivemind.DHT | None = None
+        self.sync: SpesRound | None = None
+        self.first_loss: float | None = None
+        self.join_seconds = 0.0
+        self.round_reports: list[dict] = []
+        self._saved_step: tuple[int, int] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def run(self) -> None:
+        try:
+            self.startup()
+            self.train()
+        finally:
+            self.shutdown()
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum, _frame):
+            if self.stop_event.is_set():
+                logger.warning("second signal: exiting now")
+                os._exit(128 + signum)
+            logger.info(f"{signal.Signals(signum).name}: finishing cleanly (send again to exit at once)")
+            self.stop_event.set()
+
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
+
+    def startup(self) -> None:
+        opts = self.opts
+        opts.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        identity_path = opts.identity or opts.checkpoint_dir / "identity.key"
+        key = load_or_create_identity(identity_path)
+        self.validator = RSASignatureValidator(key)
+        self.dht = self._start_dht(str(identity_path))
+        self.peer_id = self.dht.peer_id.to_base58()
+        self.cfg = self._agree_on_config()
+        self.config_hash = self.cfg.hash()
+        self.device = resolve_device(opts.device)
+        torch.manual_seed(self.cfg.train.seed)
+        self.model = MoEForCausalLM(self.cfg.model, self.cfg.swarm.num_shards)
+
+        self.checkpoints = CheckpointManager(opts.checkpoint_dir, keep=self.cfg.train.keep_checkpoints)
+        try:
+            checkpoint = self.checkpoints.latest()
+        except CheckpointError as e:
+            raise NodeError(str(e)) from None
+        if checkpoint is not None and checkpoint.meta.get("config_hash") != self.config_hash:
+            raise NodeError(
+                f"checkpoint dir {opts.checkpoint_dir} holds a run with another config "
+                f"(hash {str(checkpoint.meta.get('config_hash'))[:12]}); use another --checkpoint-dir"
+            )
+        if checkpoint is not None:
+            shard = int(checkpoint.meta["shards"][0])
+        elif opts.shard is not None:
+            shard = opts.shard
+        else:
+            shard = self._choose_shard()
+        nodes = records.fetch_nodes(self.dht, opts.run_id, self.cfg.swarm.num_shards)
+        nodes.pop(self.peer_id, None)
+        if not 0 <= shard < self.cfg.swarm.num_shards:
+            raise NodeError(f"--shard: {shard} is out of range [0, {self.cfg.swarm.num_shards})")
+        apply_ownership(self.model, [shard], self.cfg.swarm.frozen_dtype)
+        self.model.to(self.device)
+        self.shard = shard
+
+        tokenizer = load_tokenizer(self.cfg.data.tokenizer)
+        spec = opts.data or self.cfg.data.source
+        part, num_parts = data_part(
+            nodes, self.peer_id, shard, self.cfg.swarm.num_shards, self.cfg.swarm.replication_target
+        )
+        self.batcher = TokenBatcher(
+            spec,
+            tokenizer,
+            self.cfg.train.seq_len,
+            self.cfg.train.micro_batch_size,
+            part=part,
+            num_parts=num_parts,
+            seed=self.cfg.train.seed,
+            val_fraction=self.cfg.data.val_fraction,
+        )
+        self.data_part = (part, num_parts)
+        self.val_batches = validation_batches(
+            spec,
+            tokenizer,
+            self.cfg.train.seq_len,
+            self.cfg.train.micro_batch_size,
+            self.cfg.train.eval_batches,
+            val_fraction=self.cfg.data.val_fraction,
+        )
+        self.trainer = Trainer(self.cfg, self.model, self.batcher, self.device)
+        if checkpoint is not None:
+            self._resume(checkpoint)
+
+        self.sync = SpesRound(self)
+        self.sync.start()
+        swarm_round = max((n.round for n in nodes.values()), default=0)
+        if swarm_round > self.status.round or (checkpoint is None and swarm_round > 0):
+            self.sync.download_swarm_state(nodes, include_own=checkpoint is None)
+        self.status.state = "training"
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="spes-heartbeat", daemon=True)
+        self._heartbeat.start()
+        self.publish_record()
+        logger.info(
+            f"node {self.peer_id} training shard {shard} ({self.cfg.name}, round {self.status.round}, "
+            f"data part {part}/{num_parts}, device {self.device})"
+        )
+
+    def _choose_shard(self) -> int:
+        """Announce ourselves as joining, let simultaneous joiners appear, then take the neediest shard."""
+        run_id, num_shards = self.opts.run_id, self.cfg.swarm.num_shards
+        self.shard, self.visible_maddrs = None, getattr(self, "visible_maddrs", [])
+        records.publish_node(
+            self.dht,
+            run_id,
+            self._joining_info(),
+            self.validator,
+            expiration_s=3 * self.cfg.swarm.heartbeat_s,
+        )
+        time.sleep(min(2.0, self.cfg.swarm.heartbeat_s))
+        nodes = records.fetch_nodes(self.dht, run_id, num_shards)
+        joiners = [p for p, n in nodes.items() if n.state == "joining" and not n.shards] + [self.peer_id]
+        return assign_joiners(nodes, joiners, num_shards)[self.peer_id]
+
+    def _joining_info(self) -> records.NodeInfo:
+        return records.NodeInfo(
+            peer_id=self.peer_id,
+            shards=[],
+            state="joining",
+            public_name=self.opts.public_name,
+            client_mode=self.opts.client_mode,
+        )
+
+    def _start_dht(self, identity_path: str) -> hivemind.DHT:
+        opts = self.opts
+        try:
+            dht = hivemind.DHT(
+                initial_peers=opts.peers or None,
+                host_maddrs=opts.host_maddrs,
+                announce_maddrs=opts.announce_maddrs or None,
+                identity_path=identity_path,
+                client_mode=opts.client_mode,
+                record_validators=[self.validator],
+                start=True,
+                startup_timeout=opts.join_timeout,
+            )
+        except Exception as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise NodeError(
+                f"cannot start or reach the DHT ({', '.join(opts.peers) or 'no peers'}): {reason}"
+            ) from None
+        if not opts.client_mode:
+            maddrs = [str(m) for m in dht.get_visible_maddrs()]
+            logger.info("to join this swarm: spes-node join " + " ".join(f"--peers {m}" for m in maddrs))
+            self.visible_maddrs = maddrs
+        else:
+            self.visible_maddrs = []
+        return dht
+
+    def _agree_on_config(self) -> SpesConfig:
+        opts, cfg = self.opts, self.cfg
+        deadline = time.monotonic() + (opts.join_timeout if opts.peers else 0)
+        record = records.fetch_config(self.dht, opts.run_id)
+        while record is None and opts.peers and cfg is None and time.monotonic() < deadline:
+            time.sleep(1.0)
+            record = records.fetch_config(self.dht, opts.run_id)
+        if record is None:
+            if cfg is None:
+                raise NodeError(
+                    f"no swarm '{opts.run_id}' found at the given peers; pass --preset or --config to found it"
+                )
+            logger.info(f"founding swarm '{opts.run_id}' (config {cfg.hash()[:12]})")
+        else:
+            swarm_cfg = SpesConfig.from_json(record.config_json)
+            if cfg is not None and cfg.hash() != record.config_hash:
+                raise NodeError(
+                    f"config mismatch: swarm '{opts.run_id}' runs config {record.config_hash[:12]} "
+                    f"but ours is {cfg.hash()[:12]}; join without --preset/--config to adopt the swarm's"
+                )
+            cfg = swarm_cfg
+        records.publish_config(
+            self.dht, opts.run_id, cfg.to_json(), cfg.hash(), self.validator, expiration_s=3600
+        )
+        return cfg
+
+    def _resume(self, checkpoint) -> None:
+        meta = checkpoint.meta
+        self.model.load_state_dict({k: v for k, v in checkpoint.tensors.items()}, strict=True)
+        self.trainer.set_ownership([int(s) for s in meta["shards"]])
+        if checkpoint.optimizer:
+            self.trainer.optimizer = self.trainer._build_optimizer(
+                {name: state for name, state in checkpoint.optimizer["by_name"].items()}
+            )
+        self.trainer.step = int(meta["step"])
+        self.status.round = int(meta["round"])
+        self.status.tokens = int(meta.get("tokens", 0))
+        self.status.loss_history = list(meta.get("loss_history", []))
+        self.steps_into_round = int(meta.get("steps_into_round", 0))
+        if meta.get("data_part") == list(self.data_part) and meta.get("data_state") is not None:
+            self.batcher.load_state_dict(meta["data_state"])
+        if meta.get("rng") is not None:
+            set_rng_state(meta["rng"])
+        logger.info(
+            f"resumed from {checkpoint.path.name}: round {self.status.round}, step {self.trainer.step}"
+        )
+
+    def shutdown(self) -> None:
+        self.stop_event.set()
+        leaving = self.dht is not None and self.sync is not None
+        if leaving:
+            self.status.state = "leaving"
+            try:
+                self.save_checkpoint()
+            except Exception as e:
+                logger.error(f"final checkpoint failed: {e}")
+            self.write_summary()
+            try:
+                records.withdraw_node(self.dht, self.opts.run_id, self.peer_id, self.validator)
+            except Exception as e:
+                logger.warning(f"could not withdraw the node record: {e}")
+        if self.sync is not None:
+            self.sync.shutdown()
+        if self.dht is not None:
+            self.dht.shutdown()
+
+    # ------------------------------------------------------------------ training
+
+    def train(self) -> None:
+        H = self.cfg.swarm.sync_steps
+        window_tokens, window_start = 0, time.perf_counter()
+        while not self.stop_event.is_set():
+            if self.opts.max_rounds is not None and self.rounds_done >= self.opts.max_rounds:
+                break
+            self.status.state = "training"
+            while self.steps_into_round < H and not self.stop_event.is_set():
+                self.sync.apply_pending()
+                stats = self.trainer.train_step()
+                self.steps_into_round += 1
+                self.tokens_since_sync += stats.tokens
+                self.status.tokens += stats.tokens
+                self.round_losses.append(stats.ce_loss)
+                self.status.loss = stats.ce_loss
+                if self.first_loss is None:
+                    self.first_loss = stats.ce_loss
+                window_tokens += stats.tokens
+                if self.trainer.step % self.cfg.train.log_every == 0:
+                    elapsed = time.perf_counter() - window_start
+                    self.status.tokens_per_s = window_tokens / max(elapsed, 1e-9)
+                    window_tokens, window_start = 0, time.perf_counter()
+                    logger.info(
+                        f"step {self.trainer.step} round {self.status.round} loss {stats.ce_loss:.4f} "
+                        f"lr {stats.lr:.2e} grad_norm {stats.grad_norm:.2f} tokens/s {self.status.tokens_per_s:.0f}"
+                    )
+                if (
+                    self.cfg.train.checkpoint_every
+                    and self.trainer.step % self.cfg.train.checkpoint_every == 0
+                ):
+                    self.save_checkpoint()
+            if self.stop_event.is_set():
+                break
+            self.sync.run_round()
+            self.round_reports.append(self.sync.last_report)
+            self.rounds_done += 1
+            self.steps_into_round = 0
+            self.tokens_since_sync = 0
+            self.save_checkpoint()
+        self.sync.finish_pending()
+
+    def end_round_loss(self) -> float:
+        loss = sum(self.round_losses) / len(self.round_losses) if self.round_losses else float("nan")
+        self.round_losses = []
+        self.status.loss_history = (self.status.loss_history + [loss])[-64:]
+        return loss
+
+    def save_checkpoint(self) -> None:
+        if self._saved_step == (self.trainer.step, self.status.round):
+            return
+        meta = {
+            "run_id": self.opts.run_id,
+            "peer_id": self.peer_id,
+            "config_hash": self.config_hash,
+            "round": self.status.round,
+            "step": self.trainer.step,
+            "steps_into_round": self.steps_into_round,
+            "tokens": self.status.tokens,
+            "shards": [self.shard],
+            "data_part": list(self.data_part),
+            "data_state": self.batcher.state_dict(),
+            "loss_history": self.status.loss_history,
+            "rng": rng_state(),
+        }
+        tensors = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        self.checkpoints.save(
+            self.trainer.step, tensors, meta, {"by_name": self.trainer.optimizer_state_by_name()}
+        )
+        self._saved_step = (self.trainer.step, self.status.round)
+
+    def write_summary(self) -> None:
+        """A small JSON beside the checkpoints: what `simulate` and the benchmarks read after the node exits."""
+        summary = {
+            "peer_id": self.peer_id,
+            "shard": self.shard,
+            "round": self.status.round,
+            "rounds_done": self.rounds_done,
+            "step": self.trainer.step,
+            "tokens": self.status.tokens,
+            "tokens_per_s": self.status.tokens_per_s,
+            "loss_history": self.status.loss_history,
+            "first_loss": self.first_loss,
+            "last_loss": self.status.loss,
+            "bytes_sent": self.status.bytes_sent,
+            "bytes_received": self.status.bytes_received,
+            "rounds": self.round_reports,
+            "join_seconds": self.join_seconds,
+        }
+        path = self.opts.checkpoint_dir / "summary.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(summary, indent=1, default=float))
+        os.replace(tmp, path)
+
+    # ------------------------------------------------------------------ record
+
+    def node_info(self) -> records.NodeInfo:
+        return records.NodeInfo(
+            peer_id=self.peer_id,
+            shards=[self.shard],
+            round=self.status.round,
+            step=self.trainer.step,
+            tokens=self.status.tokens,
+            tokens_per_s=self.status.tokens_per_s,
+            loss=self.status.loss if self.status.loss == self.status.loss else 0.0,
+            state=self.status.state,
+            version=__version__,
+            public_name=self.opts.public_name,
+            maddrs=self.visible_maddrs,
+            client_mode=self.opts.client_mode,
+            updated_at=0.0,
+            expires_at=0.0,
+            loss_history=[x for x in self.status.loss_history if x == x],
+            bytes_sent=sum(self.status.bytes_sent.values()),
+            bytes_received=sum(self.status.bytes_received.values()),
+        )
+
+    def publish_record(self) -> None:
+        records.publish_node(
+            self.dht,
+            self.opts.run_id,
+            self.node_info(),
+            self.validator,
+            expiration_s=3 * self.cfg.swarm.heartbeat_s,
+        )
+
+    def _heartbeat_loop(self) -> None:
+        while not self.stop_event.wait(self.cfg.swarm.heartbeat_s):
+            try:
+                self.publish_record()
+            except Exception as e:
+                logger.warning(f"heartbeat failed: {e}")

@@ -1,0 +1,386 @@
+"""The SPES round: what a node does after H local steps.
+
+1. shared parameters averaged over every node that reaches the round within the matchmaking window;
+2. the node's shard averaged among its replicas only (both all-reduces run at the same time);
+3. frozen experts refreshed from their holders every `refresh_every` rounds, in the background;
+4. the expert-merging warm-up on the node's own experts, when due.
+No step waits for a particular peer: a group of one is a no-op, a failed all-reduce keeps the local weights.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import random
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from hivemind.p2p import PeerID
+
+from spes_node import records
+from spes_node.aio import LoopThread
+from spes_node.averaging import GroupAverager, GroupResult, NesterovOuter, PlainAverage, wire_compression
+from spes_node.merge import merge_alpha, merge_layer, merge_step_due
+from spes_node.sharding import data_part, load_shard_tensors, shard_tensors, shared_parameters
+from spes_node.shards import plan_rebalance
+from spes_node.transfer import Snapshot, StateServer, TransferError, download_part
+
+if TYPE_CHECKING:
+    from spes_node.node import Node
+
+logger = logging.getLogger(__name__)
+
+SERVING_STATES = ("training", "averaging")
+
+
+class SpesRound:
+    def __init__(self, node: Node):
+        self.node = node
+        self.cfg = node.cfg
+        self.loop = LoopThread()
+        self._pending: dict[int, dict[str, torch.Tensor]] = {}
+        self._pending_lock = threading.Lock()
+        self._refresh: concurrent.futures.Future | None = None
+        self.shared_avg: GroupAverager | None = None
+        self.shard_avg: GroupAverager | None = None
+        self.last_report: dict = {}
+
+    # ------------------------------------------------------------------ setup
+
+    def start(self) -> None:
+        node, swarm = self.node, self.cfg.swarm
+        self.p2p = self.loop.run(node.dht.replicate_p2p())
+        self.server = StateServer(
+            self.p2p, node.opts.run_id, node.config_hash, wire_compression(swarm.wire_compression)
+        )
+        self.loop.run(self.server.start())
+        prefix = f"{node.opts.run_id}_{node.config_hash[:16]}"
+        self.shared_avg = self._averager(f"{prefix}_shared", self._shared_cpu())
+        self.shard_avg = self._averager(f"{prefix}_shard{node.shard}", self._shard_cpu(node.shard))
+        self.shared_outer, self.shard_outer = self._outer(), self._outer()
+        self.publish_snapshots()
+
+    def _averager(self, prefix: str, tensors: dict[str, torch.Tensor]) -> GroupAverager:
+        swarm = self.cfg.swarm
+        return GroupAverager(
+            self.node.dht,
+            prefix,
+            tensors,
+            compression=swarm.wire_compression,
+            matchmaking_time=swarm.matchmaking_time,
+            allreduce_timeout=swarm.averaging_timeout,
+            client_mode=self.node.opts.client_mode,
+        )
+
+    def _outer(self):
+        swarm = self.cfg.swarm
+        return (
+            NesterovOuter(swarm.outer_lr, swarm.outer_momentum)
+            if swarm.outer_optimizer == "nesterov"
+            else PlainAverage()
+        )
+
+    def _shared_cpu(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().float().cpu() for name, p in shared_parameters(self.node.model).items()}
+
+    def _shard_cpu(self, shard: int) -> dict[str, torch.Tensor]:
+        return {name: t.detach().float().cpu() for name, t in shard_tensors(self.node.model, shard).items()}
+
+    def publish_snapshots(self) -> None:
+        """Serve the state as it is now: shared parameters and own shard (copies), frozen copies of the rest."""
+        node = self.node
+        round_ = node.status.round
+        parts = {"shared": self._shared_cpu()}
+        for shard in range(self.cfg.swarm.num_shards):
+            kind = "shard" if shard == node.shard else "copy"
+            parts[f"{kind}:{shard}"] = {k: v.clone() for k, v in self._shard_cpu(shard).items()}
+            self.loop.run(self.server.withdraw(f"{'copy' if kind == 'shard' else 'shard'}:{shard}"))
+        for part, tensors in parts.items():
+            self.loop.run(self.server.publish(part, Snapshot(round_, tensors)))
+
+    # ------------------------------------------------------------------ the round
+
+    def run_round(self) -> None:
+        node, swarm = self.node, self.cfg.swarm
+        node.status.state = "averaging"
+        node.publish_record()
+        self.finish_pending()
+        loss = node.end_round_loss()
+        started = time.perf_counter()
+        gather = (node.status.round, node.trainer.step, node.tokens_since_sync)
+        weight = float(max(node.tokens_since_sync, 1))
+        shared_local = shared_parameters(node.model)
+        shard_local = shard_tensors(node.model, node.shard)
+        others = self._live_peers()
+        replicas = {peer: n for peer, n in others.items() if node.shard in n.shards}
+        h_shared = self.shared_avg.step(shared_local, weight, gather) if others else None
+        h_shard = self.shard_avg.step(shard_local, weight, gather) if replicas else None
+        shared_result, shared_avg = self._finish(self.shared_avg, h_shared)
+        shard_result, shard_avg = self._finish(self.shard_avg, h_shard)
+        for result, averaged, local, outer, kind in (
+            (shared_result, shared_avg, shared_local, self.shared_outer, "shared"),
+            (shard_result, shard_avg, shard_local, self.shard_outer, "shard"),
+        ):
+            node.status.add_bytes(kind, result.bytes_sent, result.bytes_received)
+            if averaged is not None:
+                outer.apply(local, {k: v.to(local[k].device) for k, v in averaged.items()})
+            elif isinstance(outer, NesterovOuter):
+                outer.remember(local)
+        node.status.round = self._next_round(shared_result.peers, shard_result.peers)
+
+        refreshed = 0
+        due_refresh = node.status.round % swarm.refresh_every == 0
+        sync_step = node.status.round * swarm.sync_steps
+        due_merge = merge_step_due(sync_step, swarm.merge_interval) and swarm.merge_alpha0 > 0
+        if due_refresh:
+            self.start_refresh(min_round=node.status.round)
+            if due_merge:
+                refreshed = self.finish_pending()
+        if due_merge:
+            self.merge(sync_step)
+        self.publish_snapshots()
+        self.maybe_rebalance()
+        seconds = time.perf_counter() - started
+        self.last_report = {
+            "round": node.status.round,
+            "loss": loss,
+            "shared_group": shared_result.group_size,
+            "shard_group": shard_result.group_size,
+            "bytes_shared": shared_result.bytes_sent + shared_result.bytes_received,
+            "bytes_shard": shard_result.bytes_sent + shard_result.bytes_received,
+            "seconds": seconds,
+            "errors": [r.error for r in (shared_result, shard_result) if r.error],
+        }
+        logger.info(
+            f"round {node.status.round} done: loss {loss:.4f}, shared group {shared_result.group_size}, "
+            f"shard {node.shard} group {shard_result.group_size}, "
+            f"{(self.last_report['bytes_shared'] + self.last_report['bytes_shard']) / 1e6:.2f} MB averaged, "
+            f"{seconds:.1f}s"
+            + (", merged" if due_merge else "")
+            + (f", refreshed {refreshed}" if refreshed else "")
+        )
+        node.status.state = "training"
+
+    def _live_peers(self) -> dict:
+        """Other nodes that may be averaging now; when there are none, the round is a local no-op."""
+        nodes = records.fetch_nodes(self.node.dht, self.node.opts.run_id, self.cfg.swarm.num_shards)
+        nodes.pop(self.node.peer_id, None)
+        return {peer: n for peer, n in nodes.items() if n.state in SERVING_STATES}
+
+    def _finish(self, averager: GroupAverager, handle):
+        if handle is None:
+            return GroupResult(1, 0.0, 0, 0), None
+        control, _ = handle
+        while not control.done():
+            if self.node.stop_event.wait(0.1):
+                control.cancel()
+                break
+        return averager.finish(handle)
+
+    def _next_round(self, *gathered: dict[str, tuple]) -> int:
+        """One past the highest round among the group (peers' claims are checked: ints within reach of ours)."""
+        current = self.node.status.round
+        highest = current
+        for peers in gathered:
+            for peer, value in peers.items():
+                if (
+                    isinstance(value, (list, tuple))
+                    and len(value) == 3
+                    and isinstance(value[0], int)
+                    and current <= value[0] <= current + 1000
+                ):
+                    highest = max(highest, value[0])
+                elif peer != self.node.peer_id:
+                    logger.warning(f"ignoring malformed round info from {peer}")
+        return highest + 1
+
+    # ------------------------------------------------------------------ frozen experts
+
+    def _holders(self, nodes: dict, shard: int, kind: str = "shard") -> list[str]:
+        """Peers to download a shard from, the most advanced first."""
+        candidates = [
+            (n.round, random.random(), peer)
+            for peer, n in nodes.items()
+            if peer != self.node.peer_id
+            and n.state in SERVING_STATES
+            and not n.client_mode
+            and (kind == "copy" or shard in n.shards)
+        ]
+        return [peer for *_, peer in sorted(candidates, reverse=True)]
+
+    def _expected(self, part: str) -> dict[str, torch.Size]:
+        if part == "shared":
+            return {k: v.shape for k, v in shared_parameters(self.node.model).items()}
+        shard = int(part.split(":")[1])
+        return {k: v.shape for k, v in shard_tensors(self.node.model, shard).items()}
+
+    async def _download_from(self, peers: list[str], part: str, min_round: int):
+        last_error = None
+        for peer in peers:
+            try:
+                return await download_part(
+                    self.p2p,
+                    PeerID.from_base58(peer),
+                    self.node.opts.run_id,
+                    self.node.config_hash,
+                    part,
+                    self._expected(part),
+                    min_round=min_round,
+                    timeout=self.cfg.swarm.averaging_timeout,
+                )
+            except TransferError as e:
+                last_error = e
+                logger.warning(f"download of {part} failed: {e}")
+        raise TransferError(f"no peer could serve {part}: {last_error}")
+
+    def start_refresh(self, min_round: int) -> None:
+        node = self.node
+        nodes = records.fetch_nodes(node.dht, node.opts.run_id, self.cfg.swarm.num_shards)
+        wanted = [s for s in range(self.cfg.swarm.num_shards) if s != node.shard]
+
+        async def refresh():
+            count = 0
+            for shard in wanted:
+                peers = self._holders(nodes, shard)
+                if not peers:
+                    continue
+                try:
+                    download = await self._download_from(peers, f"shard:{shard}", min_round)
+                except TransferError as e:
+                    logger.warning(f"refresh of shard {shard} skipped: {e}")
+                    continue
+                node.status.add_bytes("refresh", 0, download.nbytes)
+                with self._pending_lock:
+                    self._pending[shard] = download.tensors
+                count += 1
+            return count
+
+        self._refresh = self.loop.submit(refresh())
+
+    def apply_pending(self) -> int:
+        """Load downloaded frozen experts into the model (between steps, on the training thread)."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, {}
+        for shard, tensors in pending.items():
+            if shard != self.node.shard:
+                load_shard_tensors(self.node.model, shard, tensors)
+        return len(pending)
+
+    def finish_pending(self) -> int:
+        if self._refresh is not None:
+            try:
+                self._refresh.result(timeout=self.cfg.swarm.averaging_timeout * self.cfg.swarm.num_shards)
+            except Exception as e:
+                logger.warning(f"refresh did not finish: {e}")
+            self._refresh = None
+        return self.apply_pending()
+
+    # ------------------------------------------------------------------ merge
+
+    @torch.no_grad()
+    def merge(self, sync_step: int) -> None:
+        swarm, model, shard = self.cfg.swarm, self.node.model, self.node.shard
+        alpha = merge_alpha(sync_step, swarm.merge_alpha0, swarm.merge_horizon)
+        if alpha <= 0:
+            return
+        for layer in model.model.layers:
+            dense = [s.dense() for s in layer.mlp.shards]
+            gate_up = torch.cat([g for g, _ in dense]).float()
+            down = torch.cat([d for _, d in dense]).float()
+            own = layer.mlp.shards[shard]
+            update = list(range(own.start, own.start + own.n))
+            new_gate_up, new_down = merge_layer(gate_up, down, alpha, swarm.merge_topk, update)
+            own.load_dense(
+                new_gate_up[own.start : own.start + own.n], new_down[own.start : own.start + own.n]
+            )
+
+    # ------------------------------------------------------------------ joining and moving
+
+    def download_swarm_state(self, nodes: dict, include_own: bool) -> None:
+        """Take the swarm's current weights: shared parameters, every shard (own shard only if `include_own`)."""
+        node = self.node
+        start = time.perf_counter()
+        total = 0
+        shared_peers = self._holders(nodes, -1, kind="copy")
+        if not shared_peers:
+            return
+        try:
+            shared = self.loop.run(self._download_from(shared_peers, "shared", 0))
+        except TransferError as e:
+            logger.warning(f"starting from local weights: {e}")
+            return
+        with torch.no_grad():
+            for name, p in shared_parameters(node.model).items():
+                p.copy_(shared.tensors[name])
+        total += shared.nbytes
+        node.status.round = max(node.status.round, shared.round)
+        for shard in range(self.cfg.swarm.num_shards):
+            if shard == node.shard and not include_own:
+                continue
+            peers = self._holders(nodes, shard)
+            part = f"shard:{shard}"
+            if not peers:
+                peers, part = shared_peers, f"copy:{shard}"
+            try:
+                download = self.loop.run(self._download_from(peers, part, 0))
+            except TransferError as e:
+                logger.warning(f"shard {shard} keeps its local weights: {e}")
+                continue
+            load_shard_tensors(node.model, shard, download.tensors)
+            total += download.nbytes
+        node.trainer.step = max(node.trainer.step, node.status.round * self.cfg.swarm.sync_steps)
+        node.status.add_bytes("state_download", 0, total)
+        self.publish_snapshots()
+        node.join_seconds = time.perf_counter() - start
+        logger.info(
+            f"downloaded the swarm state ({total / 1e6:.2f} MB) in {node.join_seconds:.1f}s, round {node.status.round}"
+        )
+
+    def maybe_rebalance(self) -> None:
+        node, swarm = self.node, self.cfg.swarm
+        nodes = records.fetch_nodes(node.dht, node.opts.run_id, swarm.num_shards)
+        nodes[node.peer_id] = node.node_info()
+        new = plan_rebalance(nodes, node.peer_id, swarm.num_shards, swarm.replication_target)
+        if new is None or new == node.shard:
+            return
+        peers = self._holders(nodes, new)
+        part = f"shard:{new}"
+        if not peers:
+            peers, part = self._holders(nodes, new, kind="copy"), f"copy:{new}"
+        try:
+            download = self.loop.run(self._download_from(peers, part, 0)) if peers else None
+        except TransferError as e:
+            logger.warning(f"not moving to shard {new}: {e}")
+            return
+        logger.info(f"moving from shard {node.shard} to under-replicated shard {new}")
+        old = node.shard
+        node.trainer.set_ownership([new])
+        if download is not None:
+            load_shard_tensors(node.model, new, download.tensors)
+        node.shard = new
+        self.shard_avg.shutdown()
+        prefix = f"{node.opts.run_id}_{node.config_hash[:16]}"
+        self.shard_avg = self._averager(f"{prefix}_shard{new}", self._shard_cpu(new))
+        self.shard_outer = self._outer()
+        nodes.pop(node.peer_id, None)
+        part_index, num_parts = data_part(
+            nodes, node.peer_id, new, swarm.num_shards, swarm.replication_target
+        )
+        node.batcher.set_part(part_index, num_parts)
+        node.data_part = (part_index, num_parts)
+        self.publish_snapshots()
+        node.publish_record()
+        logger.info(f"now training shard {new} (was {old})")
+
+    def shutdown(self) -> None:
+        for averager in (self.shared_avg, self.shard_avg):
+            if averager is not None:
+                averager.shutdown()
+        try:
+            self.loop.run(self.server.stop(), timeout=5)
+            self.loop.run(self.p2p.shutdown(), timeout=5)
+        except Exception as e:
+            logger.debug(f"p2p shutdown: {e}")
+        self.loop.stop()
