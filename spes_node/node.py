@@ -122,6 +122,7 @@ class Node:
         self.peer_id = self.dht.peer_id.to_base58()
         self.cfg = self._agree_on_config()
         self.config_hash = self.cfg.hash()
+        _write_atomic(opts.checkpoint_dir / "config.json", self.cfg.to_json())
         self.device = resolve_device(opts.device)
         torch.manual_seed(self.cfg.train.seed)
         self.model = MoEForCausalLM(self.cfg.model, self.cfg.swarm.num_shards)
@@ -399,10 +400,7 @@ class Node:
             "rounds": self.round_reports,
             "join_seconds": self.join_seconds,
         }
-        path = self.opts.checkpoint_dir / "summary.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(summary, indent=1, default=float))
-        os.replace(tmp, path)
+        _write_atomic(self.opts.checkpoint_dir / "summary.json", json.dumps(summary, indent=1, default=float))
 
     # ------------------------------------------------------------------ record
 
@@ -442,3 +440,9 @@ class Node:
                 self.publish_record()
             except Exception as e:
                 logger.warning(f"heartbeat failed: {e}")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

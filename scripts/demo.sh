@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set everything up, then train a 3-node swarm on this machine (tiny preset, embedded corpus, no downloads).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/spes-node simulate --nodes "${NODES:-3}" --max-rounds "${ROUNDS:-6}" "$@"
