@@ -261,12 +261,17 @@ class TokenBatcher:
 def validation_batches(
     spec: str, tokenizer, seq_len: int, batch_size: int, max_batches: int, val_fraction: float = 0.02
 ) -> list[torch.LongTensor]:
-    """Batches of the held-out documents in source order (the same for every part); the last may be short."""
-    if max_batches < 1:
-        raise ValueError(f"max_batches must be at least 1, got {max_batches}")
+    """Up to max_batches batches of the held-out documents in source order, the same for every part.
+
+    Rows are full sequences of seq_len + 1 tokens; the last batch may have fewer rows.
+    """
+    if max_batches < 0:
+        raise ValueError(f"max_batches must be >= 0, got {max_batches}")
     if seq_len < 1 or batch_size < 1:
         raise ValueError(f"seq_len and batch_size must be at least 1, got {seq_len} and {batch_size}")
     _check_val_fraction(val_fraction)
+    if max_batches == 0:
+        return []
     if val_fraction == 0:
         logger.warning("data: val_fraction is 0, there is no validation set")
         return []

@@ -199,6 +199,17 @@ def test_validation_batches_shape_and_order(tok, corpus):
     assert torch.cat([b.reshape(-1) for b in batches]).tolist() == expected[:48]
 
 
+def test_validation_batches_bad_and_zero_arguments(tok, corpus):
+    assert validation_batches(str(corpus), tok, seq_len=7, batch_size=2, max_batches=0) == []
+    assert (
+        validation_batches(str(corpus), tok, seq_len=7, batch_size=2, max_batches=3, val_fraction=0.0) == []
+    )
+    with pytest.raises(ValueError, match="^max_batches must"):
+        validation_batches(str(corpus), tok, seq_len=7, batch_size=2, max_batches=-1)
+    with pytest.raises(ValueError, match=r"^data: no such file"):
+        validation_batches(str(corpus / "missing"), tok, seq_len=7, batch_size=2, max_batches=1)
+
+
 def test_validation_has_at_least_one_document(tok, tmp_path):
     _write_jsonl(tmp_path / "tiny.jsonl", range(3))
     batches = validation_batches(str(tmp_path / "tiny.jsonl"), tok, seq_len=4, batch_size=8, max_batches=5)
