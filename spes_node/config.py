@@ -134,7 +134,8 @@ class TrainConfig:
         _require(self.lr > 0, "train.lr", "must be positive")
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
         _require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
-        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1", "betas must be in [0, 1)")
+        _require(0 <= self.beta1 < 1, "train.beta1", "must be in [0, 1)")
+        _require(0 <= self.beta2 < 1, "train.beta2", "must be in [0, 1)")
         _require(self.grad_clip >= 0, "train.grad_clip", "must be >= 0")
         _require(self.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
         _require(self.eval_batches >= 0, "train.eval_batches", "must be >= 0")
@@ -229,9 +230,13 @@ class SpesConfig:
     name: str = "custom"
     """Preset or config name, for display."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The architecture ([model] table)."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """Local training ([train] table)."""
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    """SPES rounds and shards ([swarm] table)."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Tokenizer and data ([data] table)."""
 
     def validate(self) -> SpesConfig:
         self.model.validate()

@@ -13,9 +13,13 @@ _HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|dow
 
 
 def to_hf_config(cfg: ModelConfig, **extra):
-    """The `transformers.OlmoeConfig` of a model config."""
+    """The `transformers.OlmoeConfig` of a model config.
+
+    Special token ids are left unset (OLMoE's defaults lie outside small vocabularies); pass them in `extra`.
+    """
     from transformers import OlmoeConfig
 
+    tokens = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
     return OlmoeConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -32,18 +36,20 @@ def to_hf_config(cfg: ModelConfig, **extra):
         initializer_range=cfg.init_std,
         tie_word_embeddings=cfg.tie_embeddings,
         router_aux_loss_coef=cfg.lb_loss,
-        **extra,
+        **{**tokens, **extra},
     )
 
 
 def from_hf_config(hf_config) -> ModelConfig:
+    """The model config of a `transformers.OlmoeConfig`; inverse of `to_hf_config`."""
+    kv_heads = hf_config.num_key_value_heads
     rope = getattr(hf_config, "rope_parameters", None) or {}
     return ModelConfig(
         vocab_size=hf_config.vocab_size,
         hidden_size=hf_config.hidden_size,
         num_layers=hf_config.num_hidden_layers,
         num_heads=hf_config.num_attention_heads,
-        num_kv_heads=hf_config.num_key_value_heads,
+        num_kv_heads=0 if kv_heads in (None, hf_config.num_attention_heads) else kv_heads,
         num_experts=hf_config.num_experts,
         top_k=hf_config.num_experts_per_tok,
         expert_ffn=hf_config.intermediate_size,
