@@ -1,0 +1,280 @@
+import logging
+import math
+import stat
+import uuid
+from functools import partial
+
+import hivemind
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from spes_node.proto import NodeRecord, SwarmConfigRecord
+from spes_node.records import (
+    MAX_VALUE_BYTES,
+    NodeInfo,
+    config_digest,
+    config_key,
+    fetch_config,
+    fetch_nodes,
+    load_or_create_rsa_key,
+    node_key,
+    publish_config,
+    publish_node,
+    withdraw_node,
+)
+
+EXPIRATION_S = 60.0
+CONFIG_X = '{"model": "tiny", "sync_steps": 10}'
+CONFIG_Y = '{"model": "tiny", "sync_steps": 20}'
+
+
+class Peer:
+    def __init__(self, initial_peers=()):
+        self.validator = RSASignatureValidator(RSAPrivateKey())
+        self.dht = hivemind.DHT(
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            initial_peers=list(initial_peers),
+            start=True,
+            record_validators=[self.validator],
+        )
+        self.peer_id = self.dht.peer_id.to_base58()
+
+    def subkey(self) -> bytes:
+        return self.peer_id.encode() + self.validator.local_public_key
+
+
+async def _store_zeros(_dht, node, *, key: str, subkey: bytes, size: int, expiration_time: float) -> bool:
+    # Runs inside the DHT process: a value this large does not fit through the DHT's command pipe.
+    return await node.store(key, b"\x00" * size, expiration_time, subkey=subkey)
+
+
+@pytest.fixture(scope="module")
+def peers():
+    started = []
+    try:
+        started.append(Peer())
+        maddrs = started[0].dht.get_visible_maddrs()
+        started.append(Peer(maddrs))
+        started.append(Peer(maddrs))
+        yield started
+    finally:
+        for peer in started:
+            peer.dht.shutdown()
+
+
+@pytest.fixture
+def run_id():
+    return f"test-{uuid.uuid4().hex[:8]}"
+
+
+def _info(peer_id: str, **overrides) -> NodeInfo:
+    fields = dict(
+        peer_id=peer_id,
+        shards=[1, 3],
+        round=7,
+        step=700,
+        tokens=123_456,
+        tokens_per_s=512.5,
+        loss=3.25,
+        state="training",
+        version="0.1.0",
+        public_name="volunteer ü",
+        maddrs=["/ip4/127.0.0.1/tcp/4000/p2p/" + peer_id],
+        client_mode=True,
+        loss_history=[4.0, 3.5, 3.25],
+        bytes_sent=10**12,
+        bytes_received=42,
+    )
+    return NodeInfo(**(fields | overrides))
+
+
+def _without_times(info: NodeInfo) -> NodeInfo:
+    return NodeInfo(**(vars(info) | {"updated_at": 0.0, "expires_at": 0.0}))
+
+
+@pytest.mark.swarm
+def test_node_round_trip_between_dhts(peers, run_id):
+    a, b, _ = peers
+    before = get_dht_time()
+    assert publish_node(a.dht, run_id, _info(a.peer_id), a.validator, EXPIRATION_S)
+    assert publish_node(
+        b.dht, run_id, _info(b.peer_id, shards=[0], state="joining"), b.validator, EXPIRATION_S
+    )
+
+    seen_by_b = fetch_nodes(b.dht, run_id, num_shards=4)
+    assert set(seen_by_b) == {a.peer_id, b.peer_id}
+    assert _without_times(seen_by_b[a.peer_id]) == _info(a.peer_id)
+    assert _without_times(seen_by_b[b.peer_id]) == _info(b.peer_id, shards=[0], state="joining")
+    record = seen_by_b[a.peer_id]
+    assert before <= record.updated_at <= get_dht_time()
+    assert math.isclose(record.expires_at, record.updated_at + EXPIRATION_S, abs_tol=1e-3)
+    assert fetch_nodes(a.dht, run_id) == seen_by_b
+    assert fetch_nodes(a.dht, "other-run") == {}
+
+
+@pytest.mark.swarm
+def test_peer_cannot_overwrite_another_peers_subkey(peers, run_id):
+    a, b, _ = peers
+    assert publish_node(a.dht, run_id, _info(a.peer_id, step=1), a.validator, EXPIRATION_S)
+
+    forged = _info(a.peer_id, step=999, shards=[0])
+    assert not publish_node(b.dht, run_id, forged, a.validator, EXPIRATION_S * 2)
+    raw = NodeRecord(peer_id=a.peer_id, step=999, updated_at=get_dht_time()).SerializeToString()
+    assert not b.dht.store(node_key(run_id), raw, get_dht_time() + EXPIRATION_S * 2, subkey=a.subkey())
+
+    for reader in (a, b):
+        nodes = fetch_nodes(reader.dht, run_id)
+        assert list(nodes) == [a.peer_id]
+        assert nodes[a.peer_id].step == 1
+
+
+@pytest.mark.swarm
+def test_bad_records_are_skipped_with_one_warning_each(peers, run_id, caplog):
+    a, b, _ = peers
+    assert publish_node(a.dht, run_id, _info(a.peer_id), a.validator, EXPIRATION_S)
+    now = get_dht_time()
+    owned = b.validator.local_public_key
+    good_b = NodeRecord(peer_id=b.peer_id, shards=[0], state=NodeRecord.TRAINING, updated_at=now)
+    bad_values = {
+        b.peer_id.encode() + owned: b"\xff\xff not a protobuf",
+        b"QmNotBytes" + owned: {"peer_id": "QmNotBytes"},
+        b"QmImpostor" + owned: good_b.SerializeToString(),
+        b"QmNaN" + owned: NodeRecord(peer_id="QmNaN", loss=math.nan).SerializeToString(),
+        b"QmShard" + owned: NodeRecord(peer_id="QmShard", shards=[4]).SerializeToString(),
+        b"QmEscape" + owned: NodeRecord(peer_id="QmEscape", public_name="\x1b[2J").SerializeToString(),
+        b"QmUnsigned": NodeRecord(peer_id="QmUnsigned").SerializeToString(),
+    }
+    for subkey, value in bad_values.items():
+        assert b.dht.store(node_key(run_id), value, now + EXPIRATION_S, subkey=subkey), subkey
+    oversized = partial(
+        _store_zeros,
+        key=node_key(run_id),
+        subkey=b"QmOversized" + owned,
+        size=MAX_VALUE_BYTES + 1,
+        expiration_time=now + EXPIRATION_S,
+    )
+    assert b.dht.run_coroutine(oversized)
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="spes_node.records"):
+        nodes = fetch_nodes(a.dht, run_id, num_shards=4)
+    assert list(nodes) == [a.peer_id]
+    warnings = [r for r in caplog.records if r.name == "spes_node.records" and r.levelno == logging.WARNING]
+    assert len(warnings) == len(bad_values) + 1
+    for needle in (
+        "not a NodeRecord",
+        "more than",
+        "not bytes",
+        "differs",
+        "not finite",
+        "num_shards",
+        "control",
+        "not signed",
+    ):
+        assert any(needle in w.getMessage() for w in warnings), needle
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="spes_node.records"):
+        assert list(fetch_nodes(a.dht, run_id, num_shards=4)) == [a.peer_id]
+    assert not caplog.records, "a bad record is reported once, not on every fetch"
+
+    later = now + EXPIRATION_S + 1
+    assert b.dht.store(node_key(run_id), good_b.SerializeToString(), later, subkey=b.peer_id.encode() + owned)
+    assert set(fetch_nodes(a.dht, run_id, num_shards=4)) == {a.peer_id, b.peer_id}
+
+
+@pytest.mark.swarm
+def test_withdraw_removes_node_now(peers, run_id):
+    a, b, _ = peers
+    assert publish_node(a.dht, run_id, _info(a.peer_id), a.validator, EXPIRATION_S)
+    assert publish_node(b.dht, run_id, _info(b.peer_id), b.validator, EXPIRATION_S)
+    assert set(fetch_nodes(b.dht, run_id)) == {a.peer_id, b.peer_id}
+
+    assert withdraw_node(a.dht, run_id, a.peer_id, a.validator)
+    for reader in (a, b):
+        assert set(fetch_nodes(reader.dht, run_id)) == {b.peer_id}
+    assert withdraw_node(b.dht, run_id, b.peer_id, b.validator)
+    assert fetch_nodes(a.dht, run_id) == {}
+
+
+@pytest.mark.swarm
+def test_config_majority_then_earliest(peers, run_id, caplog):
+    a, b, c = peers
+    assert fetch_config(a.dht, run_id) is None
+    hash_x, hash_y = config_digest(CONFIG_X), config_digest(CONFIG_Y)
+
+    assert publish_config(a.dht, run_id, CONFIG_X, hash_x, a.validator, EXPIRATION_S, created_at=200.0)
+    assert publish_config(b.dht, run_id, CONFIG_Y, hash_y, b.validator, EXPIRATION_S, created_at=100.0)
+    tie = fetch_config(c.dht, run_id)
+    assert (tie.config_hash, tie.config_json, tie.created_at) == (hash_y, CONFIG_Y, 100.0)
+
+    assert publish_config(c.dht, run_id, CONFIG_X, hash_x, c.validator, EXPIRATION_S, created_at=300.0)
+    majority = fetch_config(a.dht, run_id)
+    assert (majority.run_id, majority.config_hash, majority.config_json) == (run_id, hash_x, CONFIG_X)
+    assert majority.created_at == 200.0
+    assert majority.expires_at > get_dht_time()
+
+
+@pytest.mark.swarm
+def test_config_with_wrong_hash_is_ignored(peers, run_id, caplog):
+    a, b, _ = peers
+    forged = SwarmConfigRecord(run_id=run_id, config_hash=config_digest(CONFIG_X), config_json=CONFIG_Y)
+    now = get_dht_time()
+    assert b.dht.store(
+        config_key(run_id), forged.SerializeToString(), now + 60, subkey=b.validator.local_public_key
+    )
+    with caplog.at_level(logging.WARNING, logger="spes_node.records"):
+        assert fetch_config(a.dht, run_id) is None
+    assert "does not match" in caplog.text
+
+    assert publish_config(a.dht, run_id, CONFIG_X, config_digest(CONFIG_X), a.validator, EXPIRATION_S)
+    assert fetch_config(b.dht, run_id).config_json == CONFIG_X
+    with pytest.raises(ValueError, match="config_hash"):
+        publish_config(a.dht, run_id, CONFIG_X, config_digest(CONFIG_Y), a.validator, EXPIRATION_S)
+
+
+@pytest.mark.swarm
+def test_publish_rejects_bad_info_naming_the_field(peers, run_id):
+    a, _, _ = peers
+    for overrides, field_name in [
+        ({"state": "sleeping"}, "state"),
+        ({"loss": math.inf}, "loss"),
+        ({"tokens": -1}, "node info"),
+        ({"loss_history": [1.0, math.nan]}, "loss_history"),
+    ]:
+        with pytest.raises(ValueError, match=field_name):
+            publish_node(a.dht, run_id, _info(a.peer_id, **overrides), a.validator, EXPIRATION_S)
+    assert fetch_nodes(a.dht, run_id) == {}
+
+
+def test_rsa_key_persists_with_private_mode(tmp_path):
+    path = tmp_path / "keys" / "node.key"
+    key = load_or_create_rsa_key(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    again = load_or_create_rsa_key(path)
+    assert again.get_public_key().to_bytes() == key.get_public_key().to_bytes()
+    assert RSASignatureValidator(again).local_public_key == RSASignatureValidator(key).local_public_key
+    assert [p.name for p in path.parent.iterdir()] == ["node.key"]
+    signature = again.sign(b"payload")
+    assert key.get_public_key().verify(b"payload", signature)
+
+
+def test_rsa_key_file_that_is_not_a_key_is_refused(tmp_path):
+    path = tmp_path / "node.key"
+    path.write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="node.key"):
+        load_or_create_rsa_key(path)
+
+
+@pytest.mark.swarm
+def test_rsa_key_file_is_a_hivemind_identity(tmp_path):
+    path = tmp_path / "node.key"
+    load_or_create_rsa_key(path)
+    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=str(path), start=True)
+    try:
+        assert dht.peer_id == PeerID.from_identity(path.read_bytes())
+    finally:
+        dht.shutdown()
