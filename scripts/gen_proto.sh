@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates spes_node/proto/spes_pb2.py from proto/spes.proto (needs grpcio-tools).
+# Regenerates spes_node/proto/*_pb2.py from proto/*.proto (needs grpcio-tools).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m grpc_tools.protoc --proto_path=proto --python_out=spes_node/proto proto/spes.proto
+python -m grpc_tools.protoc --proto_path=proto --python_out=spes_node/proto proto/*.proto
