@@ -3,6 +3,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from spes_node.shards import (
+    assign_joiners,
     choose_shard,
     expert_to_shard,
     plan_rebalance,
@@ -115,3 +116,14 @@ def test_rebalance_converges():
         ((peer, shard),) = moving.items()
         nodes[peer].shards = [shard]
     assert replica_counts(nodes, 4) == [2, 2, 2, 2]
+
+
+def test_simultaneous_joiners_spread_out():
+    nodes = {"a": Node([0]), "b": Node([0]), "c": Node([1]), "z": Node([], state="joining"), "y": Node([2])}
+    assigned = assign_joiners(nodes, ["z", "x", "w"], 4)
+    assert assigned == assign_joiners(nodes, ["w", "x", "z"], 4)
+    assert set(assigned) == {"w", "x", "z"}
+    after = {peer: node for peer, node in nodes.items() if node.shards}
+    after |= {peer: Node([shard]) for peer, shard in assigned.items()}
+    counts = replica_counts(after, 4)
+    assert min(counts) >= 1 and max(counts) - min(counts) <= 1
