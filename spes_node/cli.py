@@ -93,6 +93,13 @@ def main() -> None:
 @option("--metrics-port", type=int, help="Serve Prometheus metrics on this port.")
 @option("--public-name", default="", help="Name shown in `spes-node status`.")
 @option(
+    "--wait-peers",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Hold the first step until this many nodes (this one included) are in the swarm.",
+)
+@option(
     "--client-mode",
     is_flag=True,
     help="No inbound connections (behind NAT): train and average through others.",
@@ -113,6 +120,7 @@ def join(
     max_rounds,
     metrics_port,
     public_name,
+    wait_peers,
     client_mode,
 ) -> None:
     """Run a training node: found a swarm, or join one with --peers."""
@@ -146,6 +154,7 @@ def join(
         metrics_port=metrics_port,
         public_name=public_name,
         client_mode=client_mode,
+        wait_peers=wait_peers,
     )
     node = Node(cfg, opts)
     node.install_signal_handlers()
@@ -190,6 +199,23 @@ def dht(host_maddrs, announce_maddrs, identity, peers) -> None:
 
     setup_logging()
     run_bootstrap(list(host_maddrs) or ["/ip4/0.0.0.0/tcp/0"], list(announce_maddrs), identity, list(peers))
+
+
+from spes_node.status import status  # noqa: E402
+
+main.add_command(status)
+
+
+def _add_hf_commands() -> None:
+    from spes_node.evaluate import eval_command, generate_command
+    from spes_node.export import export_command
+    from spes_node.upcycle import init_command
+
+    for command in (export_command(), init_command(), eval_command(), generate_command()):
+        main.add_command(command)
+
+
+_add_hf_commands()
 
 
 if __name__ == "__main__":

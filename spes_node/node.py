@@ -23,6 +23,7 @@ from spes_node.checkpoint import CheckpointError, CheckpointManager, rng_state, 
 from spes_node.config import SpesConfig
 from spes_node.data import TokenBatcher, validation_batches
 from spes_node.identity import load_or_create_identity
+from spes_node.metrics import NodeMetrics
 from spes_node.model import MoEForCausalLM
 from spes_node.rounds import SpesRound
 from spes_node.sharding import apply_ownership, data_part
@@ -55,6 +56,7 @@ class NodeOptions:
     public_name: str = ""
     client_mode: bool = False
     join_timeout: float = 30.0
+    wait_peers: int = 1
 
 
 @dataclass
@@ -147,9 +149,11 @@ class Node:
         nodes.pop(self.peer_id, None)
         if not 0 <= shard < self.cfg.swarm.num_shards:
             raise NodeError(f"--shard: {shard} is out of range [0, {self.cfg.swarm.num_shards})")
+        self.shard = shard
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="spes-heartbeat", daemon=True)
+        self._heartbeat.start()
         apply_ownership(self.model, [shard], self.cfg.swarm.frozen_dtype)
         self.model.to(self.device)
-        self.shard = shard
 
         tokenizer = load_tokenizer(self.cfg.data.tokenizer)
         spec = opts.data or self.cfg.data.source
@@ -185,13 +189,28 @@ class Node:
         if swarm_round > self.status.round or (checkpoint is None and swarm_round > 0):
             self.sync.download_swarm_state(nodes, include_own=checkpoint is None)
         self.status.state = "training"
-        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="spes-heartbeat", daemon=True)
-        self._heartbeat.start()
         self.publish_record()
+        self._wait_for_peers()
         logger.info(
             f"node {self.peer_id} training shard {shard} ({self.cfg.name}, round {self.status.round}, "
             f"data part {part}/{num_parts}, device {self.device})"
         )
+        self.metrics = NodeMetrics(opts.metrics_port)
+        self.metrics.update(self.status, None, step=self.trainer.step)
+
+    def _wait_for_peers(self) -> None:
+        """With --wait-peers N, hold the first step until N nodes (this one included) are ready to train."""
+        if self.opts.wait_peers <= 1:
+            return
+        deadline = time.monotonic() + self.opts.join_timeout * 4
+        while not self.stop_event.is_set():
+            nodes = records.fetch_nodes(self.dht, self.opts.run_id, self.cfg.swarm.num_shards)
+            ready = [n for n in nodes.values() if n.state in ("training", "averaging")]
+            if len(ready) >= self.opts.wait_peers:
+                return
+            if time.monotonic() > deadline:
+                raise NodeError(f"--wait-peers: only {len(ready)} of {self.opts.wait_peers} nodes showed up")
+            self.stop_event.wait(0.5)
 
     def _choose_shard(self) -> int:
         """Announce ourselves as joining, let simultaneous joiners appear, then take the neediest shard."""
@@ -338,6 +357,7 @@ class Node:
                         f"step {self.trainer.step} round {self.status.round} loss {stats.ce_loss:.4f} "
                         f"lr {stats.lr:.2e} grad_norm {stats.grad_norm:.2f} tokens/s {self.status.tokens_per_s:.0f}"
                     )
+                    self.metrics.update(self.status, self.sync.last_report, step=self.trainer.step)
                 if (
                     self.cfg.train.checkpoint_every
                     and self.trainer.step % self.cfg.train.checkpoint_every == 0
@@ -346,12 +366,14 @@ class Node:
             if self.stop_event.is_set():
                 break
             self.sync.run_round()
+            self.metrics.update(self.status, self.sync.last_report, step=self.trainer.step)
             self.round_reports.append(self.sync.last_report)
             self.rounds_done += 1
             self.steps_into_round = 0
             self.tokens_since_sync = 0
             self.save_checkpoint()
-        self.sync.finish_pending()
+        if self.sync.finish_pending():
+            self._saved_step = None
 
     def end_round_loss(self) -> float:
         loss = sum(self.round_losses) / len(self.round_losses) if self.round_losses else float("nan")
@@ -407,9 +429,9 @@ class Node:
     def node_info(self) -> records.NodeInfo:
         return records.NodeInfo(
             peer_id=self.peer_id,
-            shards=[self.shard],
+            shards=[self.shard] if self.shard is not None else [],
             round=self.status.round,
-            step=self.trainer.step,
+            step=self.trainer.step if hasattr(self, "trainer") else 0,
             tokens=self.status.tokens,
             tokens_per_s=self.status.tokens_per_s,
             loss=self.status.loss if self.status.loss == self.status.loss else 0.0,

@@ -88,15 +88,21 @@ class SpesRound:
     def _shard_cpu(self, shard: int) -> dict[str, torch.Tensor]:
         return {name: t.detach().float().cpu() for name, t in shard_tensors(self.node.model, shard).items()}
 
-    def publish_snapshots(self) -> None:
-        """Serve the state as it is now: shared parameters and own shard (copies), frozen copies of the rest."""
+    def publish_snapshots(self, premerge: bool = False) -> None:
+        """Serve the state as it is now: shared parameters and own shard (copies), frozen copies of the rest.
+
+        With `premerge`, the own shard is also served as "premerge:<j>" for this round's merge inputs.
+        """
         node = self.node
         round_ = node.status.round
         parts = {"shared": self._shared_cpu()}
         for shard in range(self.cfg.swarm.num_shards):
-            kind = "shard" if shard == node.shard else "copy"
-            parts[f"{kind}:{shard}"] = {k: v.clone() for k, v in self._shard_cpu(shard).items()}
-            self.loop.run(self.server.withdraw(f"{'copy' if kind == 'shard' else 'shard'}:{shard}"))
+            own = shard == node.shard
+            tensors = {k: v.clone() for k, v in self._shard_cpu(shard).items()}
+            parts[f"{'shard' if own else 'copy'}:{shard}"] = tensors
+            self.loop.run(self.server.withdraw(f"{'copy' if own else 'shard'}:{shard}"))
+            if own and premerge:
+                parts[f"premerge:{shard}"] = tensors
         for part, tensors in parts.items():
             self.loop.run(self.server.publish(part, Snapshot(round_, tensors)))
 
@@ -134,13 +140,15 @@ class SpesRound:
         due_refresh = node.status.round % swarm.refresh_every == 0
         sync_step = node.status.round * swarm.sync_steps
         due_merge = merge_step_due(sync_step, swarm.merge_interval) and swarm.merge_alpha0 > 0
-        if due_refresh:
-            self.start_refresh(min_round=node.status.round)
-            if due_merge:
-                refreshed = self.finish_pending()
+        # The merge reads every expert as it was before anyone merged: holders serve that state as
+        # "premerge:<j>" and every node merges from the same copies, so replicas stay identical.
+        self.publish_snapshots(premerge=due_merge)
+        if due_refresh or due_merge:
+            self.start_refresh(min_round=node.status.round, kind="premerge" if due_merge else "shard")
         if due_merge:
+            refreshed = self.finish_pending()
             self.merge(sync_step)
-        self.publish_snapshots()
+            self.publish_snapshots()
         self.maybe_rebalance()
         seconds = time.perf_counter() - started
         self.last_report = {
@@ -235,7 +243,7 @@ class SpesRound:
                 logger.warning(f"download of {part} failed: {e}")
         raise TransferError(f"no peer could serve {part}: {last_error}")
 
-    def start_refresh(self, min_round: int) -> None:
+    def start_refresh(self, min_round: int, kind: str = "shard") -> None:
         node = self.node
         nodes = records.fetch_nodes(node.dht, node.opts.run_id, self.cfg.swarm.num_shards)
         wanted = [s for s in range(self.cfg.swarm.num_shards) if s != node.shard]
@@ -247,7 +255,7 @@ class SpesRound:
                 if not peers:
                     continue
                 try:
-                    download = await self._download_from(peers, f"shard:{shard}", min_round)
+                    download = await self._download_from(peers, f"{kind}:{shard}", min_round)
                 except TransferError as e:
                     logger.warning(f"refresh of shard {shard} skipped: {e}")
                     continue

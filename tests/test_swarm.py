@@ -1,0 +1,224 @@
+"""Real swarms on 127.0.0.1: daemons as processes, a bootstrap DHT, hivemind averaging for real (tiny preset)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from spes_node import records
+from spes_node.bootstrap import start_bootstrap
+from spes_node.checkpoint import CheckpointManager
+from spes_node.config import load_preset
+
+pytestmark = pytest.mark.swarm
+
+FAST = {"heartbeat_s": 1.0, "sync_steps": 5, "matchmaking_time": 2.0, "averaging_timeout": 20.0}
+
+
+class Swarm:
+    """A bootstrap DHT plus `spes-node join` processes, each with its own checkpoint dir and log."""
+
+    def __init__(self, tmp_path: Path, run_id: str = "t", **swarm_overrides):
+        self.tmp, self.run_id = tmp_path, run_id
+        self.cfg = load_preset("tiny").replace(swarm={**FAST, **swarm_overrides})
+        self.config_path = tmp_path / "config.json"
+        self.config_path.write_text(self.cfg.to_json())
+        self.bootstrap = start_bootstrap(["/ip4/127.0.0.1/tcp/0"])
+        self.maddr = str(self.bootstrap.get_visible_maddrs()[0])
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, *args: str, config: Path | None = None) -> subprocess.Popen:
+        node_dir = self.tmp / name
+        node_dir.mkdir(exist_ok=True)
+        cmd = [
+            sys.executable, "-m", "spes_node.cli", "join", "--run-id", self.run_id, "--peers", self.maddr,
+            "--config", str(config or self.config_path), "--checkpoint-dir", str(node_dir), "--device", "cpu",
+            "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--public-name", name, *args,
+        ]  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        log = open(self.tmp / f"{name}.log", "w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text()
+
+    def nodes(self) -> dict[str, records.NodeInfo]:
+        return records.fetch_nodes(self.bootstrap, self.run_id)
+
+    def wait_for(self, condition, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = condition()
+            if value:
+                return value
+            for name, proc in self.procs.items():
+                code = proc.poll()
+                if code not in (None, 0) and name not in getattr(self, "expected_deaths", ()):
+                    pytest.fail(
+                        f"{name} exited with {code} while waiting for {what}:\n{self.log(name)[-3000:]}"
+                    )
+            time.sleep(0.5)
+        pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+    def wait_exit(self, name: str, timeout: float) -> int:
+        try:
+            return self.procs[name].wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{name} did not exit within {timeout}s:\n{self.log(name)[-3000:]}")
+
+    def summary(self, name: str) -> dict:
+        return json.loads((self.tmp / name / "summary.json").read_text())
+
+    def checkpoint(self, name: str):
+        return CheckpointManager(self.tmp / name).latest()
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        self.bootstrap.shutdown()
+
+
+@pytest.fixture
+def swarm_factory(tmp_path):
+    made = []
+
+    def make(**kwargs) -> Swarm:
+        made.append(Swarm(tmp_path, **kwargs))
+        return made[-1]
+
+    yield make
+    for swarm in made:
+        swarm.close()
+
+
+def _shard_tensors(tensors: dict, shard: int) -> dict:
+    return {k: v.float() for k, v in tensors.items() if f".mlp.shards.{shard}." in k}
+
+
+def _shared_tensors(tensors: dict) -> dict:
+    return {k: v.float() for k, v in tensors.items() if ".mlp.shards." not in k}
+
+
+def _assert_close(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys() and a, what
+    for name in a:
+        # fp16 on the wire: each peer keeps its own part of the butterfly exact and gets the rest in fp16
+        torch.testing.assert_close(
+            a[name], b[name], rtol=2e-3, atol=2e-4, msg=lambda m, n=name: f"{what}: {n}: {m}"
+        )
+
+
+def test_four_nodes_two_replicas_agree_after_rounds(swarm_factory):
+    # H = 5 and merge_interval = 10: the merge warm-up runs at round 2, round 3 is a plain round whose refresh
+    # brings every frozen copy up to date
+    swarm = swarm_factory(num_shards=2, merge_interval=10)
+    names = [f"n{i}" for i in range(4)]
+    for name in names:
+        swarm.start(name, "--max-rounds", "3", "--wait-peers", "4")
+    for name in names:
+        assert swarm.wait_exit(name, 240) == 0, swarm.log(name)[-3000:]
+
+    summaries = {name: swarm.summary(name) for name in names}
+    by_shard: dict[int, list[str]] = {}
+    for name, s in summaries.items():
+        by_shard.setdefault(s["shard"], []).append(name)
+    assert sorted(len(v) for v in by_shard.values()) == [2, 2], by_shard
+    for name, s in summaries.items():
+        assert s["rounds_done"] == 3
+        last = s["rounds"][-1]
+        assert last["shared_group"] == 4 and last["shard_group"] == 2, (name, s["rounds"])
+
+    states = {name: swarm.checkpoint(name).tensors for name in names}
+    reference = _shared_tensors(states[names[0]])
+    for name in names[1:]:
+        _assert_close(_shared_tensors(states[name]), reference, f"shared parameters of {name} vs {names[0]}")
+    for shard, holders in by_shard.items():
+        _assert_close(
+            _shard_tensors(states[holders[0]], shard),
+            _shard_tensors(states[holders[1]], shard),
+            f"shard {shard} at its replicas {holders}",
+        )
+        other = by_shard[1 - shard][0]
+        _assert_close(
+            _shard_tensors(states[other], shard),
+            _shard_tensors(states[holders[0]], shard),
+            f"frozen copy of shard {shard} at {other} vs its holder {holders[0]}",
+        )
+    assert all("merged" in swarm.log(name) for name in names), "merge warm-up was due at round 2"
+
+
+def test_late_joiner_starts_from_swarm_weights(swarm_factory):
+    swarm = swarm_factory(num_shards=2)
+    for name in ("a", "b"):
+        swarm.start(name, "--wait-peers", "2")
+    swarm.wait_for(lambda: min((n.round for n in swarm.nodes().values()), default=0) >= 3, 180, "round 3")
+    swarm.start("late", "--max-rounds", "1")
+    assert swarm.wait_exit("late", 180) == 0, swarm.log("late")[-3000:]
+    for name in ("a", "b"):
+        swarm.procs[name].send_signal(signal.SIGTERM)
+        assert swarm.wait_exit(name, 60) == 0, swarm.log(name)[-3000:]
+
+    late = swarm.summary("late")
+    fresh_loss = swarm.summary("a")["first_loss"]
+    swarm_loss = min(swarm.summary(name)["loss_history"][2] for name in ("a", "b"))
+    assert "downloaded the swarm state" in swarm.log("late")
+    assert late["first_loss"] < fresh_loss - 1.0, (late["first_loss"], fresh_loss)
+    assert late["first_loss"] < swarm_loss + 0.5, (late["first_loss"], swarm_loss)
+    assert late["round"] >= 4
+
+
+def test_config_mismatch_refused_and_sigterm_leaves_cleanly(swarm_factory, tmp_path):
+    swarm = swarm_factory(heartbeat_s=5.0)
+    swarm.start("founder")
+    swarm.wait_for(
+        lambda: any(n.state == "training" for n in swarm.nodes().values()), 120, "founder training"
+    )
+
+    other = tmp_path / "other.json"
+    other.write_text(swarm.cfg.replace(swarm={"sync_steps": 7}).to_json())
+    proc = swarm.start("stranger", config=other)
+    assert swarm.wait_exit("stranger", 120) != 0
+    output = swarm.log("stranger")
+    assert "config mismatch" in output and "Traceback" not in output
+    assert proc.returncode == 2
+
+    swarm.wait_for(lambda: _has_round(swarm), 120, "a round")
+    swarm.procs["founder"].send_signal(signal.SIGTERM)
+    assert swarm.wait_exit("founder", 60) == 0, swarm.log("founder")[-3000:]
+    assert swarm.checkpoint("founder") is not None
+    assert (tmp_path / "founder" / "summary.json").exists()
+    # heartbeat records live 15 s; a withdrawn record is gone at once
+    gone = time.monotonic()
+    swarm.wait_for(lambda: not swarm.nodes(), 5, "the record to be withdrawn")
+    assert time.monotonic() - gone < 5
+
+
+def _has_round(swarm: Swarm) -> bool:
+    return any(n.round >= 1 for n in swarm.nodes().values())
+
+
+def test_sigkill_does_not_stall_the_others(swarm_factory):
+    swarm = swarm_factory(num_shards=2)
+    swarm.expected_deaths = ("victim",)
+    for name in ("a", "b", "victim"):
+        swarm.start(name, "--max-rounds", "4", "--wait-peers", "3")
+    swarm.wait_for(lambda: min((n.round for n in swarm.nodes().values()), default=0) >= 1, 180, "round 1")
+    swarm.procs["victim"].send_signal(signal.SIGKILL)
+    swarm.procs["victim"].wait(10)
+    for name in ("a", "b"):
+        assert swarm.wait_exit(name, 240) == 0, swarm.log(name)[-3000:]
+        s = swarm.summary(name)
+        assert s["rounds_done"] == 4
+        assert s["rounds"][-1]["shared_group"] == 2, s["rounds"]
