@@ -163,6 +163,9 @@ class SwarmConfig:
     """Storage of frozen experts: fp32, bf16 or int8."""
     wire_compression: str = "fp16"
     """Compression of tensors on the wire: none, fp16 or uint8."""
+    overlap: bool = False
+    """Keep training while a round's all-reduce runs and apply its result with the local progress made meanwhile
+    (false: training waits for the round, as published)."""
     matchmaking_time: float = 5.0
     """Seconds a node waits to gather peers into an averaging group."""
     averaging_timeout: float = 60.0

@@ -340,6 +340,8 @@ class Node:
             self.status.state = "training"
             while self.steps_into_round < H and not self.stop_event.is_set():
                 self.sync.apply_pending()
+                if self.sync.round_ready():
+                    self._complete_round()
                 stats = self.trainer.train_step()
                 self.steps_into_round += 1
                 self.tokens_since_sync += stats.tokens
@@ -365,15 +367,26 @@ class Node:
                     self.save_checkpoint()
             if self.stop_event.is_set():
                 break
-            self.sync.run_round()
-            self.metrics.update(self.status, self.sync.last_report, step=self.trainer.step)
-            self.round_reports.append(self.sync.last_report)
-            self.rounds_done += 1
+            if self.sync.round_in_flight():
+                self._complete_round()
+            last = self.opts.max_rounds is not None and self.rounds_done + 1 >= self.opts.max_rounds
+            overlap = self.cfg.swarm.overlap and not last
+            self.sync.begin_round(overlap=overlap)
             self.steps_into_round = 0
             self.tokens_since_sync = 0
-            self.save_checkpoint()
+            if not overlap:
+                self._complete_round()
+        if self.sync.round_in_flight():
+            self._complete_round()
         if self.sync.finish_pending():
             self._saved_step = None
+
+    def _complete_round(self) -> None:
+        self.sync.complete_round()
+        self.metrics.update(self.status, self.sync.last_report, step=self.trainer.step)
+        self.round_reports.append(self.sync.last_report)
+        self.rounds_done += 1
+        self.save_checkpoint()
 
     def end_round_loss(self) -> float:
         loss = sum(self.round_losses) / len(self.round_losses) if self.round_losses else float("nan")

@@ -46,6 +46,7 @@ class SpesRound:
         self.shared_avg: GroupAverager | None = None
         self.shard_avg: GroupAverager | None = None
         self.last_report: dict = {}
+        self._inflight: dict | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -109,31 +110,55 @@ class SpesRound:
     # ------------------------------------------------------------------ the round
 
     def run_round(self) -> None:
-        node, swarm = self.node, self.cfg.swarm
+        """The whole round, training waits for it (as published)."""
+        self.begin_round(overlap=False)
+        self.complete_round()
+
+    def begin_round(self, overlap: bool) -> None:
+        """Start both all-reduces on a copy of the weights. With `overlap`, training goes on meanwhile and
+        `complete_round` later applies the average together with the local progress made since."""
+        node = self.node
         node.status.state = "averaging"
         node.publish_record()
         self.finish_pending()
-        loss = node.end_round_loss()
-        started = time.perf_counter()
         gather = (node.status.round, node.trainer.step, node.tokens_since_sync)
         weight = float(max(node.tokens_since_sync, 1))
         shared_local = shared_parameters(node.model)
         shard_local = shard_tensors(node.model, node.shard)
         others = self._live_peers()
         replicas = {peer: n for peer, n in others.items() if node.shard in n.shards}
-        h_shared = self.shared_avg.step(shared_local, weight, gather) if others else None
-        h_shard = self.shard_avg.step(shard_local, weight, gather) if replicas else None
-        shared_result, shared_avg = self._finish(self.shared_avg, h_shared)
-        shard_result, shard_avg = self._finish(self.shard_avg, h_shard)
-        for result, averaged, local, outer, kind in (
-            (shared_result, shared_avg, shared_local, self.shared_outer, "shared"),
-            (shard_result, shard_avg, shard_local, self.shard_outer, "shard"),
-        ):
+        self._inflight = {
+            "started": time.perf_counter(),
+            "loss": node.end_round_loss(),
+            "shared": self.shared_avg.step(shared_local, weight, gather) if others else None,
+            "shard": self.shard_avg.step(shard_local, weight, gather) if replicas else None,
+            "sent_shared": _clone(shared_local) if overlap else None,
+            "sent_shard": _clone(shard_local) if overlap else None,
+        }
+        if overlap:
+            node.status.state = "training"
+
+    def round_in_flight(self) -> bool:
+        return self._inflight is not None
+
+    def round_ready(self) -> bool:
+        """True when the in-flight round's all-reduces are finished (never blocks)."""
+        flight = self._inflight
+        return flight is not None and all(
+            flight[kind] is None or flight[kind][0].done() for kind in ("shared", "shard")
+        )
+
+    def complete_round(self) -> None:
+        node, swarm = self.node, self.cfg.swarm
+        flight, self._inflight = self._inflight, None
+        shared_result, shared_avg = self._finish(self.shared_avg, flight["shared"])
+        shard_result, shard_avg = self._finish(self.shard_avg, flight["shard"])
+        for result, averaged, local, sent, outer, kind in (
+            (shared_result, shared_avg, shared_parameters(node.model), flight["sent_shared"], self.shared_outer, "shared"),
+            (shard_result, shard_avg, shard_tensors(node.model, node.shard), flight["sent_shard"], self.shard_outer, "shard"),
+        ):  # fmt: skip
             node.status.add_bytes(kind, result.bytes_sent, result.bytes_received)
-            if averaged is not None:
-                outer.apply(local, {k: v.to(local[k].device) for k, v in averaged.items()})
-            elif isinstance(outer, NesterovOuter):
-                outer.remember(local)
+            apply_outer(outer, local, sent, averaged)
         node.status.round = self._next_round(shared_result.peers, shard_result.peers)
 
         refreshed = 0
@@ -150,22 +175,24 @@ class SpesRound:
             self.merge(sync_step)
             self.publish_snapshots()
         self.maybe_rebalance()
-        seconds = time.perf_counter() - started
+        seconds = time.perf_counter() - flight["started"]
         self.last_report = {
             "round": node.status.round,
-            "loss": loss,
+            "loss": flight["loss"],
             "shared_group": shared_result.group_size,
             "shard_group": shard_result.group_size,
             "bytes_shared": shared_result.bytes_sent + shared_result.bytes_received,
             "bytes_shard": shard_result.bytes_sent + shard_result.bytes_received,
             "seconds": seconds,
+            "overlapped": flight["sent_shared"] is not None,
             "errors": [r.error for r in (shared_result, shard_result) if r.error],
         }
         logger.info(
-            f"round {node.status.round} done: loss {loss:.4f}, shared group {shared_result.group_size}, "
+            f"round {node.status.round} done: loss {flight['loss']:.4f}, shared group {shared_result.group_size}, "
             f"shard {node.shard} group {shard_result.group_size}, "
             f"{(self.last_report['bytes_shared'] + self.last_report['bytes_shard']) / 1e6:.2f} MB averaged, "
             f"{seconds:.1f}s"
+            + (" (overlapped)" if self.last_report["overlapped"] else "")
             + (", merged" if due_merge else "")
             + (f", refreshed {refreshed}" if refreshed else "")
         )
@@ -392,3 +419,27 @@ class SpesRound:
         except Exception as e:
             logger.debug(f"p2p shutdown: {e}")
         self.loop.stop()
+
+
+def _clone(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t.detach().clone() for name, t in tensors.items()}
+
+
+@torch.no_grad()
+def apply_outer(outer, local: dict, sent: dict | None, averaged: dict | None) -> None:
+    """Apply a round's result to the live weights.
+
+    Without overlap (`sent` is None) the outer step acts on the weights directly. With overlap, the weights moved on
+    after `sent` was handed to the all-reduce: the outer step acts on `sent`, and the local progress made since
+    (local - sent) is added back on top of the new global weights.
+    """
+    if averaged is None:
+        if isinstance(outer, NesterovOuter):
+            outer.remember(sent if sent is not None else local)
+        return
+    target = sent if sent is not None else local
+    delta = {k: local[k] - sent[k] for k in local} if sent is not None else None
+    outer.apply(target, {k: v.to(target[k].device) for k, v in averaged.items()})
+    if delta is not None:
+        for k, tensor in local.items():
+            tensor.copy_(target[k] + delta[k])
