@@ -60,7 +60,8 @@ class SpesRound:
         prefix = f"{node.opts.run_id}_{node.config_hash[:16]}"
         self.shared_avg = self._averager(f"{prefix}_shared", self._shared_cpu())
         self.shard_avg = self._averager(f"{prefix}_shard{node.shard}", self._shard_cpu(node.shard))
-        self.shared_outer, self.shard_outer = self._outer(), self._outer()
+        self.shared_outer = self._outer(shared_parameters(node.model))
+        self.shard_outer = self._outer(shard_tensors(node.model, node.shard))
         self.publish_snapshots()
 
     def _averager(self, prefix: str, tensors: dict[str, torch.Tensor]) -> GroupAverager:
@@ -75,13 +76,14 @@ class SpesRound:
             client_mode=self.node.opts.client_mode,
         )
 
-    def _outer(self):
+    def _outer(self, start: dict[str, torch.Tensor]):
+        """The outer optimiser of one group, starting from the weights the next round begins with."""
         swarm = self.cfg.swarm
-        return (
-            NesterovOuter(swarm.outer_lr, swarm.outer_momentum)
-            if swarm.outer_optimizer == "nesterov"
-            else PlainAverage()
-        )
+        if swarm.outer_optimizer != "nesterov":
+            return PlainAverage()
+        outer = NesterovOuter(swarm.outer_lr, swarm.outer_momentum)
+        outer.remember(start)
+        return outer
 
     def _shared_cpu(self) -> dict[str, torch.Tensor]:
         return {name: p.detach().float().cpu() for name, p in shared_parameters(self.node.model).items()}
@@ -367,6 +369,8 @@ class SpesRound:
             total += download.nbytes
         node.trainer.step = max(node.trainer.step, node.status.round * self.cfg.swarm.sync_steps)
         node.status.add_bytes("state_download", 0, total)
+        self.shared_outer = self._outer(shared_parameters(node.model))
+        self.shard_outer = self._outer(shard_tensors(node.model, node.shard))
         self.publish_snapshots()
         node.join_seconds = time.perf_counter() - start
         logger.info(
@@ -398,7 +402,7 @@ class SpesRound:
         self.shard_avg.shutdown()
         prefix = f"{node.opts.run_id}_{node.config_hash[:16]}"
         self.shard_avg = self._averager(f"{prefix}_shard{new}", self._shard_cpu(new))
-        self.shard_outer = self._outer()
+        self.shard_outer = self._outer(shard_tensors(node.model, new))
         nodes.pop(node.peer_id, None)
         part_index, num_parts = data_part(
             nodes, node.peer_id, new, swarm.num_shards, swarm.replication_target
