@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,6 +95,19 @@ def test_export_of_tied_embeddings_and_grouped_query_attention(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert hf.config.tie_word_embeddings and hf.config.num_key_value_heads == 2
     tokens = torch.randint(0, cfg.model.vocab_size, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model(tokens).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_large_models_are_split_into_several_safetensors_files(tmp_path, monkeypatch):
+    monkeypatch.setattr("spes_node.export.MAX_SHARD_SIZE", "1MB")
+    cfg = tiny_config("bf16")
+    model = write_node_checkpoint(tmp_path / "node", cfg)
+    assert export("--checkpoint-dir", str(tmp_path / "node"), "--out", str(tmp_path / "out")).exit_code == 0
+    files = sorted(p.name for p in (tmp_path / "out").glob("model*.safetensors"))
+    assert len(files) > 2 and (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    tokens = torch.randint(0, cfg.model.vocab_size, (1, 24), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, model(tokens).logits, atol=1e-4, rtol=1e-4)
 
@@ -304,3 +320,31 @@ def test_export_from_a_swarm_takes_each_shard_from_its_holder(tmp_path):
     finally:
         for node in reversed(nodes):
             node.shutdown()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(180)
+def test_a_one_round_node_run_exports_to_a_model_with_the_nodes_logits(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    join = [sys.executable, "-m", "spes_node.cli", "join", "--preset", "tiny", "--max-rounds", "1", "--device", "cpu",
+            "--checkpoint-dir", str(tmp_path / "node"), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]  # fmt: skip
+    node = subprocess.run(join, capture_output=True, text=True, timeout=150, env=env)
+    assert node.returncode == 0, node.stderr[-2000:]
+
+    result = export("--checkpoint-dir", str(tmp_path / "node"), "--out", str(tmp_path / "out"))
+
+    assert result.exit_code == 0, result.output
+    checkpoint = CheckpointManager(tmp_path / "node").latest()
+    cfg = load_preset("tiny")
+    model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+    apply_ownership(model, checkpoint.meta["shards"], cfg.swarm.frozen_dtype)
+    model.load_state_dict(checkpoint.tensors)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 64), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model.eval()(tokens).logits, atol=1e-4, rtol=1e-4)
+    assert json.loads((tmp_path / "out" / PROVENANCE_FILE).read_text())["round"] == 1
+    generated = CliRunner().invoke(
+        main, ["generate", "--model", str(tmp_path / "out"), "--prompt", "import "]
+    )
+    assert generated.exit_code == 0 and len(generated.stdout) > len("import \n"), generated.output
