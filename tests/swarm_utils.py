@@ -1,0 +1,119 @@
+"""Helpers for tests with real swarms on 127.0.0.1: a bootstrap DHT, `spes-node join` processes, waiting."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from spes_node import records
+from spes_node.bootstrap import start_bootstrap
+from spes_node.config import load_preset
+
+FAST = {"heartbeat_s": 1.0, "sync_steps": 5, "matchmaking_time": 2.0}
+NODE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+"""One torch thread per process: with more, a 2-core machine slows down many times under contention."""
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(
+    condition: Callable[[], T], timeout: float, what: str, check: Callable[[], None] | None = None
+) -> T:
+    """Poll `condition` until it returns something truthy (returned); fail after `timeout` seconds.
+
+    `check` runs between polls and may fail the test early (e.g. when a process died).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if check is not None:
+            check()
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.5)
+
+
+def spes_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `python -m spes_node.cli ARGS` and capture its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "spes_node.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, **NODE_ENV),
+    )
+
+
+class Swarm:
+    """A bootstrap DHT plus `spes-node join` processes, each with its own checkpoint dir and log file."""
+
+    def __init__(self, tmp_path: Path, run_id: str = "t", **swarm_overrides):
+        self.tmp, self.run_id = Path(tmp_path), run_id
+        self.cfg = load_preset("tiny").replace(swarm={**FAST, **swarm_overrides})
+        self.config_path = self.tmp / "config.json"
+        self.config_path.write_text(self.cfg.to_json())
+        self.bootstrap = start_bootstrap(["/ip4/127.0.0.1/tcp/0"])
+        self.maddr = str(self.bootstrap.get_visible_maddrs()[0])
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.expected_deaths: set[str] = set()
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        node_dir = self.tmp / name
+        node_dir.mkdir(exist_ok=True)
+        cmd = [
+            sys.executable, "-m", "spes_node.cli", "join", "--run-id", self.run_id, "--peers", self.maddr,
+            "--config", str(self.config_path), "--checkpoint-dir", str(node_dir), "--device", "cpu",
+            "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--public-name", name, *args,
+        ]  # fmt: skip
+        with open(self.tmp / f"{name}.log", "w") as log:
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, **NODE_ENV)
+            )
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text()
+
+    def nodes(self) -> dict[str, records.NodeInfo]:
+        return records.fetch_nodes(self.bootstrap, self.run_id)
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None and name not in self.expected_deaths:
+                pytest.fail(f"{name} exited with {code}:\n{self.log(name)[-3000:]}")
+
+    def wait_for(self, condition: Callable[[], T], timeout: float, what: str) -> T:
+        return wait_for(condition, timeout, what, check=self.check_alive)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        self.expected_deaths.add(name)
+        self.procs[name].send_signal(sig)
+        self.procs[name].wait(30)
+
+    def close(self, names: Sequence[str] | None = None) -> None:
+        for name in names or list(self.procs):
+            proc = self.procs[name]
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+        if names is None:
+            self.bootstrap.shutdown()
