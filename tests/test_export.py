@@ -273,6 +273,10 @@ def test_export_from_a_single_live_node_needs_holders_or_copies(tmp_path):
         peers = ["--peers", node.visible_maddrs[0], "--run-id", "export"]
         refused = export(*peers, "--out", str(tmp_path / "out"))
         assert_one_line_error(refused, "shards 1, 2, 3 of 4 have no live holder")
+        unknown = export(
+            "--peers", node.visible_maddrs[0], "--run-id", "other", "--out", str(tmp_path / "out")
+        )
+        assert_one_line_error(unknown, "no swarm 'other'")
         assert not (tmp_path / "out").exists()
 
         copied = export(*peers, "--allow-copies", "--out", str(tmp_path / "out"))
