@@ -29,15 +29,19 @@ def user_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from spes_node.checkpoint import CheckpointError
-        from spes_node.node import NodeError
-
         try:
             return fn(*args, **kwargs)
-        except (ValueError, NodeError, CheckpointError, FileNotFoundError, PermissionError) as e:
-            raise UserError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
         except KeyboardInterrupt:
             sys.exit(130)
+        except Exception as e:
+            from spes_node.checkpoint import CheckpointError
+            from spes_node.node import NodeError
+
+            if not isinstance(
+                e, (ValueError, NodeError, CheckpointError, FileNotFoundError, PermissionError)
+            ):
+                raise
+            raise UserError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
 
     return wrapper
 
@@ -124,10 +128,6 @@ def join(
     client_mode,
 ) -> None:
     """Run a training node: found a swarm, or join one with --peers."""
-    from spes_node.logs import setup_logging
-    from spes_node.node import Node, NodeOptions
-
-    setup_logging()
     cfg = load_cfg(config, preset)
     if cfg is None and not peers:
         from spes_node.config import load_preset
@@ -140,6 +140,18 @@ def join(
         raise ValueError(f"--shard: expected a shard index or 'auto', got '{shard}'")
     if max_rounds is not None and max_rounds < 1:
         raise ValueError("--max-rounds: must be >= 1")
+    if cfg is not None and shard != "auto" and int(shard) >= cfg.swarm.num_shards:
+        raise ValueError(f"--shard: {shard} is out of range [0, {cfg.swarm.num_shards})")
+    if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"--device: expected auto, cpu or cuda, got '{device}'")
+    if data:
+        from spes_node.data import check_data_spec
+
+        check_data_spec(data)
+    from spes_node.logs import setup_logging
+    from spes_node.node import Node, NodeOptions
+
+    setup_logging()
     opts = NodeOptions(
         peers=list(peers),
         run_id=run_id,
@@ -218,5 +230,21 @@ def _add_hf_commands() -> None:
 _add_hf_commands()
 
 
+def run() -> None:
+    """The console entry point: click's own usage errors also become one line."""
+    try:
+        code = main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("spes-node: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        message = e.format_message().splitlines()[0] if e.format_message() else type(e).__name__
+        if isinstance(e, UserError):
+            message = e.message
+        click.echo(f"spes-node: error: {message}", err=True)
+        sys.exit(e.exit_code)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
 if __name__ == "__main__":
-    main()
+    run()

@@ -522,3 +522,11 @@ def _format_list() -> str:
 def _reason(exc: Exception, limit: int = 300) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_data_spec(spec: str) -> DataSpec:
+    """Parse a data spec and, for local files, check that they exist: a cheap check before a node starts."""
+    parsed = DataSpec.parse(spec)
+    if parsed.kind == "local":
+        _local_files(parsed.name)
+    return parsed

@@ -93,6 +93,7 @@ class Node:
         self.join_seconds = 0.0
         self.round_reports: list[dict] = []
         self._saved_step: tuple[int, int] | None = None
+        self._resume_rng: dict | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -191,6 +192,8 @@ class Node:
         self.status.state = "training"
         self.publish_record()
         self._wait_for_peers()
+        if self._resume_rng is not None:
+            set_rng_state(self._resume_rng)  # last, so that nothing in startup draws from the restored state
         logger.info(
             f"node {self.peer_id} training shard {shard} ({self.cfg.name}, round {self.status.round}, "
             f"data part {part}/{num_parts}, device {self.device})"
@@ -301,11 +304,11 @@ class Node:
         self.status.round = int(meta["round"])
         self.status.tokens = int(meta.get("tokens", 0))
         self.status.loss_history = list(meta.get("loss_history", []))
+        self.round_losses = [float(x) for x in meta.get("round_losses", [])]
         self.steps_into_round = int(meta.get("steps_into_round", 0))
         if meta.get("data_part") == list(self.data_part) and meta.get("data_state") is not None:
             self.batcher.load_state_dict(meta["data_state"])
-        if meta.get("rng") is not None:
-            set_rng_state(meta["rng"])
+        self._resume_rng = meta.get("rng")
         logger.info(
             f"resumed from {checkpoint.path.name}: round {self.status.round}, step {self.trainer.step}"
         )
@@ -409,6 +412,7 @@ class Node:
             "data_part": list(self.data_part),
             "data_state": self.batcher.state_dict(),
             "loss_history": self.status.loss_history,
+            "round_losses": self.round_losses,
             "rng": rng_state(),
         }
         tensors = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}

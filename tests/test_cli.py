@@ -124,22 +124,14 @@ def test_max_rounds_below_one(cli):
     _assert_one_line_error(cli("join", "--preset", "tiny", "--max-rounds", "0"), "--max-rounds")
 
 
-LATE_CHECK = pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="cli.py checks this only after the node has started its DHT"
-)
-
-
-@LATE_CHECK
 def test_shard_out_of_range(cli):
     _assert_one_line_error(cli("join", "--preset", "tiny", "--shard", "4"), "--shard", "4")
 
 
-@LATE_CHECK
 def test_unreadable_data_path(cli, tmp_path):
     _assert_one_line_error(cli("join", "--preset", "tiny", "--data", str(tmp_path / "none.jsonl")), "data")
 
 
-@LATE_CHECK
 def test_unknown_device(cli):
     _assert_one_line_error(cli("join", "--preset", "tiny", "--device", "gpu"), "device")
 

@@ -162,6 +162,5 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(runs):
     assert _summary(runs["d"])["step"] == 4
 
 
-@pytest.mark.xfail(strict=True, reason="node.py does not checkpoint the losses of a round in progress")
 def test_mid_round_resume_keeps_the_round_loss(runs):
     assert _summary(runs["d"])["loss_history"] == runs["after_first"].meta["loss_history"]
