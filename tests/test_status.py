@@ -1,7 +1,10 @@
 import json
 import logging
+import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -9,7 +12,7 @@ import matplotlib.image
 import pytest
 from click.testing import CliRunner
 from PIL import Image
-from swarm_utils import Swarm, free_port, spes_cli
+from swarm_utils import NODE_ENV, Swarm, free_port, spes_cli
 
 from spes_node.cli import main
 from spes_node.config import load_preset
@@ -293,6 +296,28 @@ def test_daemon_metrics_count_bytes_by_kind_after_a_round(live):
     assert metrics["spes_round"] >= 1 and metrics["spes_step"] >= live.cfg.swarm.sync_steps
     assert metrics["spes_tokens_total"] > 0
     assert metrics['spes_group_size{group="shared"}'] >= 1
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(120)
+def test_watch_prints_fresh_summaries_until_interrupted(live):
+    cmd = [sys.executable, "-m", "spes_node.cli", "status", "--peers", live.maddr, "--run-id", live.run_id]
+    watch = subprocess.Popen(
+        [*cmd, "--watch", "--json", "--interval", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, **NODE_ENV),
+    )
+    try:
+        first, second = json.loads(watch.stdout.readline()), json.loads(watch.stdout.readline())
+        assert second["dht_time"] > first["dht_time"]
+        assert len(second["nodes"]) == 3
+        watch.send_signal(signal.SIGINT)
+        assert watch.wait(30) == 0, watch.stderr.read()
+    finally:
+        watch.kill()
+        watch.wait()
 
 
 @pytest.mark.swarm
