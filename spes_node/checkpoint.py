@@ -30,6 +30,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from spes_node.errors import SpesError
+
 logger = logging.getLogger(__name__)
 
 FORMAT = "spes-node-checkpoint"
@@ -48,7 +50,7 @@ _TUPLE = "__tuple__"
 _ITEMS = "__items__"
 
 
-class CheckpointError(Exception):
+class CheckpointError(SpesError):
     """No checkpoint can be loaded although some exist, or the checkpoint directory cannot be used."""
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from spes_node import __version__
+from spes_node.errors import SpesError
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +34,7 @@ def user_errors(fn):
             return fn(*args, **kwargs)
         except KeyboardInterrupt:
             sys.exit(130)
-        except Exception as e:
-            from spes_node.checkpoint import CheckpointError
-            from spes_node.node import NodeError
-
-            if not isinstance(
-                e, (ValueError, NodeError, CheckpointError, FileNotFoundError, PermissionError)
-            ):
-                raise
+        except (ValueError, SpesError, FileNotFoundError, PermissionError) as e:
             raise UserError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
 
     return wrapper

@@ -22,6 +22,7 @@ from spes_node import __version__, records
 from spes_node.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
 from spes_node.config import SpesConfig
 from spes_node.data import TokenBatcher, validation_batches
+from spes_node.errors import SpesError
 from spes_node.identity import load_or_create_identity
 from spes_node.metrics import NodeMetrics
 from spes_node.model import MoEForCausalLM
@@ -34,7 +35,7 @@ from spes_node.trainer import Trainer, resolve_device
 logger = logging.getLogger(__name__)
 
 
-class NodeError(Exception):
+class NodeError(SpesError):
     """A problem the user can fix; the CLI prints it as one line."""
 
 
