@@ -15,7 +15,7 @@ from typing import Any
 
 import tomllib
 
-PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
+PRESETS_DIR = Path(__file__).resolve().parent / "presets"  # also reachable as configs/ at the top level
 FROZEN_DTYPES = ("fp32", "bf16", "int8")
 OUTER_OPTIMIZERS = ("average", "nesterov")
 WIRE_COMPRESSIONS = ("none", "fp16", "uint8")

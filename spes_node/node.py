@@ -34,6 +34,9 @@ from spes_node.trainer import Trainer, resolve_device
 
 logger = logging.getLogger(__name__)
 
+CONFIG_EXPIRATION_S = 3600.0
+CONFIG_REPUBLISH_S = 600.0
+
 
 class NodeError(SpesError):
     """A problem the user can fix; the CLI prints it as one line."""
@@ -288,9 +291,9 @@ class Node:
                     f"but ours is {cfg.hash()[:12]}; join without --preset/--config to adopt the swarm's"
                 )
             cfg = swarm_cfg
-        records.publish_config(
-            self.dht, opts.run_id, cfg.to_json(), cfg.hash(), self.validator, expiration_s=3600
-        )
+        self._config_created_at = record.created_at if record is not None else None
+        self.cfg = cfg
+        self._publish_config()
         return cfg
 
     def _resume(self, checkpoint) -> None:
@@ -475,11 +478,22 @@ class Node:
         )
 
     def _heartbeat_loop(self) -> None:
+        last_config = time.monotonic()
         while not self.stop_event.wait(self.cfg.swarm.heartbeat_s):
             try:
                 self.publish_record()
+                if time.monotonic() - last_config > CONFIG_REPUBLISH_S:
+                    self._publish_config()
+                    last_config = time.monotonic()
             except Exception as e:
                 logger.warning(f"heartbeat failed: {e}")
+
+    def _publish_config(self) -> None:
+        """Every node keeps the swarm config alive in the DHT, so it outlives the founder."""
+        records.publish_config(
+            self.dht, self.opts.run_id, self.cfg.to_json(), self.cfg.hash(), self.validator,
+            expiration_s=CONFIG_EXPIRATION_S, created_at=self._config_created_at,
+        )  # fmt: skip
 
 
 def _write_atomic(path: Path, text: str) -> None:
