@@ -91,6 +91,11 @@ def main() -> None:
 @option("--metrics-port", type=int, help="Serve Prometheus metrics on this port.")
 @option("--public-name", default="", help="Name shown in `spes-node status`.")
 @option(
+    "--init-from",
+    type=click.Path(file_okay=False),
+    help="Start from the weights of this Hugging Face OLMoE directory (e.g. from `spes-node init`).",
+)
+@option(
     "--wait-peers",
     default=1,
     show_default=True,
@@ -118,6 +123,7 @@ def join(
     max_rounds,
     metrics_port,
     public_name,
+    init_from,
     wait_peers,
     client_mode,
 ) -> None:
@@ -161,6 +167,7 @@ def join(
         public_name=public_name,
         client_mode=client_mode,
         wait_peers=wait_peers,
+        init_from=Path(init_from) if init_from else None,
     )
     node = Node(cfg, opts)
     node.install_signal_handlers()

@@ -61,6 +61,7 @@ class NodeOptions:
     client_mode: bool = False
     join_timeout: float = 30.0
     wait_peers: int = 1
+    init_from: Path | None = None
 
 
 @dataclass
@@ -133,6 +134,11 @@ class Node:
         self.device = resolve_device(opts.device)
         torch.manual_seed(self.cfg.train.seed)
         self.model = MoEForCausalLM(self.cfg.model, self.cfg.swarm.num_shards)
+        if opts.init_from is not None:
+            from spes_node.export import load_hf_weights
+
+            load_hf_weights(self.model, opts.init_from)
+            logger.info(f"initial weights from {opts.init_from}")
 
         self.checkpoints = CheckpointManager(opts.checkpoint_dir, keep=self.cfg.train.keep_checkpoints)
         try:
@@ -191,7 +197,9 @@ class Node:
         self.sync = SpesRound(self)
         self.sync.start()
         swarm_round = max((n.round for n in nodes.values()), default=0)
-        if swarm_round > self.status.round or (checkpoint is None and swarm_round > 0):
+        if swarm_round > self.status.round or checkpoint is None:
+            # a new node takes the swarm's weights whenever a peer serves them (also at round 0: the swarm may
+            # have started from --init-from weights); a resumed one only when the swarm has moved on
             self.sync.download_swarm_state(nodes, include_own=checkpoint is None)
         self.status.state = "training"
         self.publish_record()
