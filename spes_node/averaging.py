@@ -1,7 +1,9 @@
 """Averaging groups over hivemind's DecentralizedAverager, and the outer optimisers applied to their result.
 
 One `GroupAverager` per group: the shared parameters (every node) and each shard (its replicas only). Group keys
-contain the run id and the config hash, so a node with another config can never enter a group.
+contain the run id and the config hash, so a node with another config can never enter a group. The all-reduce is
+hivemind's with a robust reducer and checked results (`robust.py`); peers caught sending bad data are banned in a
+`BanList` that the node's averagers share, and with a swarm key only its holders can enter a group.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 from hivemind import DHT
-from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
+
+from spes_node.robust import BanList, GroupOutcome, RobustAverager, inject_fault
+from spes_node.swarm_key import SwarmKey
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +37,8 @@ class GroupResult:
     bytes_received: int
     peers: dict[str, tuple] = field(default_factory=dict)
     error: str | None = None
+    rejected: dict[str, str] = field(default_factory=dict)
+    """Peers caught sending bad data in this step (peer id -> why); they are banned from then on."""
 
 
 class GroupAverager:
@@ -48,12 +54,15 @@ class GroupAverager:
         matchmaking_time: float,
         allreduce_timeout: float,
         client_mode: bool,
+        bans: BanList | None = None,
+        swarm_key: SwarmKey | None = None,
     ):
         self.prefix, self.names = prefix, list(tensors)
+        self.bans = bans if bans is not None else BanList()
         self.compression_name = compression
         self.numel = sum(t.numel() for t in tensors.values())
         self.matchmaking_time, self.allreduce_timeout = matchmaking_time, allreduce_timeout
-        self.averager = DecentralizedAverager(
+        self.averager = RobustAverager(
             [t.detach().float().cpu().clone() for t in tensors.values()],
             dht=dht,
             prefix=prefix,
@@ -63,6 +72,8 @@ class GroupAverager:
             allreduce_timeout=allreduce_timeout,
             compression=wire_compression(compression),
             client_mode=client_mode,
+            allow_state_sharing=False,
+            swarm_key=swarm_key,
             start=True,
         )
 
@@ -71,6 +82,8 @@ class GroupAverager:
         with self.averager.get_tensors() as buffers:
             for buffer, name in zip(buffers, self.names):
                 buffer.copy_(tensors[name].detach())
+            inject_fault(buffers)
+        self.averager.set_banned(self.bans.active())
         start = time.perf_counter()
         control = self.averager.step(
             weight=max(weight, 1e-6),
@@ -84,20 +97,31 @@ class GroupAverager:
         """Wait for the step; returns the averaged tensors, or None when no group formed or the all-reduce failed."""
         control, start = handle
         try:
-            gathered = control.result()
+            outcome: GroupOutcome | None = control.result()
         except Exception as e:  # hivemind raises several types for a failed round; none is fatal to us
             return GroupResult(1, time.perf_counter() - start, 0, 0, error=f"{type(e).__name__}: {e}"), None
         seconds = time.perf_counter() - start
-        if not gathered or len(gathered) < 2:
+        if outcome is None:
             return GroupResult(1, seconds, 0, 0), None
-        n = len(gathered)
+        rejected = dict(outcome.rejected)
+        peers = {}
+        for peer, value in outcome.gathered.items():
+            if valid_gather(value):
+                peers[peer] = value
+            else:
+                rejected.setdefault(peer, f"malformed round info {str(value)[:64]!r}")
+        for peer, reason in rejected.items():
+            if self.bans.ban(peer, reason):
+                logger.warning(f"ignoring peer {peer} for {self.bans.seconds:.0f}s ({self.prefix}): {reason}")
+        n = len(peers)
+        if n < 2:
+            return GroupResult(1, seconds, 0, 0, rejected=rejected), None
         # hivemind's butterfly all-reduce: each peer sends (n-1)/n of its vector for reduce-scatter and the same
         # for all-gather, and receives as much; counted at the wire precision.
         moved = int(2 * (n - 1) / n * self.numel * WIRE_BYTES[self.compression_name])
-        peers = {str(peer): value for peer, value in gathered.items()}
         with self.averager.get_tensors() as buffers:
             averaged = {name: buffer.clone() for name, buffer in zip(self.names, buffers)}
-        return GroupResult(n, seconds, moved, moved, peers=peers), averaged
+        return GroupResult(n, seconds, moved, moved, peers=peers, rejected=rejected), averaged
 
     def shutdown(self) -> None:
         try:
@@ -148,6 +172,15 @@ class NesterovOuter(OuterOptimizer):
             new = self.previous[name] - self.lr * (grad + self.momentum * v)
             tensor.copy_(new)
         self.remember(local)
+
+
+def valid_gather(value: object) -> bool:
+    """A member's round info: (round, step, tokens since the last sync), non-negative ints of sane size."""
+    return (
+        isinstance(value, (tuple, list))
+        and len(value) == 3
+        and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62 for x in value)
+    )
 
 
 def finite_weight(value: float) -> float:

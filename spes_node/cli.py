@@ -107,6 +107,8 @@ def main() -> None:
     is_flag=True,
     help="No inbound connections (behind NAT): train and average through others.",
 )
+@option("--swarm-key", help="Shared secret of a private swarm (prefer --swarm-key-file: argv is visible).")
+@option("--swarm-key-file", type=click.Path(dir_okay=False), help="File holding the private swarm's key.")
 @user_errors
 def join(
     peers,
@@ -126,6 +128,8 @@ def join(
     init_from,
     wait_peers,
     client_mode,
+    swarm_key,
+    swarm_key_file,
 ) -> None:
     """Run a training node: found a swarm, or join one with --peers."""
     cfg = load_cfg(config, preset)
@@ -150,6 +154,7 @@ def join(
         check_data_spec(data)
     from spes_node.logs import setup_logging
     from spes_node.node import Node, NodeOptions
+    from spes_node.swarm_key import load_swarm_key
 
     setup_logging()
     opts = NodeOptions(
@@ -168,6 +173,7 @@ def join(
         client_mode=client_mode,
         wait_peers=wait_peers,
         init_from=Path(init_from) if init_from else None,
+        swarm_key=load_swarm_key(swarm_key, swarm_key_file),
     )
     node = Node(cfg, opts)
     node.install_signal_handlers()

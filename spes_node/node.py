@@ -29,6 +29,7 @@ from spes_node.model import MoEForCausalLM
 from spes_node.rounds import SpesRound
 from spes_node.sharding import apply_ownership, data_part
 from spes_node.shards import assign_joiners
+from spes_node.swarm_key import SwarmKey
 from spes_node.tokenizer import load_tokenizer
 from spes_node.trainer import Trainer, resolve_device
 
@@ -62,6 +63,7 @@ class NodeOptions:
     join_timeout: float = 30.0
     wait_peers: int = 1
     init_from: Path | None = None
+    swarm_key: SwarmKey | None = None
 
 
 @dataclass
@@ -262,6 +264,7 @@ class Node:
                 identity_path=identity_path,
                 client_mode=opts.client_mode,
                 record_validators=[self.validator],
+                authorizer=opts.swarm_key.authorizer() if opts.swarm_key else None,
                 start=True,
                 startup_timeout=opts.join_timeout,
             )

@@ -23,6 +23,7 @@ from spes_node import records
 from spes_node.aio import LoopThread
 from spes_node.averaging import GroupAverager, GroupResult, NesterovOuter, PlainAverage, wire_compression
 from spes_node.merge import merge_alpha, merge_layer, merge_step_due
+from spes_node.robust import BanList
 from spes_node.sharding import data_part, load_shard_tensors, shard_tensors, shared_parameters
 from spes_node.shards import plan_rebalance
 from spes_node.transfer import Snapshot, StateServer, TransferError, download_part
@@ -47,6 +48,7 @@ class SpesRound:
         self.shard_avg: GroupAverager | None = None
         self.last_report: dict = {}
         self._inflight: dict | None = None
+        self.bans = BanList()
 
     # ------------------------------------------------------------------ setup
 
@@ -74,6 +76,8 @@ class SpesRound:
             matchmaking_time=swarm.matchmaking_time,
             allreduce_timeout=swarm.averaging_timeout,
             client_mode=self.node.opts.client_mode,
+            bans=self.bans,
+            swarm_key=self.node.opts.swarm_key,
         )
 
     def _outer(self, start: dict[str, torch.Tensor]):
@@ -188,6 +192,7 @@ class SpesRound:
             "seconds": seconds,
             "overlapped": flight["sent_shared"] is not None,
             "errors": [r.error for r in (shared_result, shard_result) if r.error],
+            "banned": sorted(self.bans.active()),
         }
         logger.info(
             f"round {node.status.round} done: loss {flight['loss']:.4f}, shared group {shared_result.group_size}, "
@@ -243,6 +248,7 @@ class SpesRound:
             if peer != self.node.peer_id
             and n.state in SERVING_STATES
             and not n.client_mode
+            and peer not in self.bans
             and (kind == "copy" or shard in n.shards)
         ]
         return [peer for *_, peer in sorted(candidates, reverse=True)]
