@@ -163,6 +163,7 @@ class Node:
         if not 0 <= shard < self.cfg.swarm.num_shards:
             raise NodeError(f"--shard: {shard} is out of range [0, {self.cfg.swarm.num_shards})")
         self.shard = shard
+        self.publish_record()  # at once, so that nodes choosing right after us count our shard
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="spes-heartbeat", daemon=True)
         self._heartbeat.start()
         apply_ownership(self.model, [shard], self.cfg.swarm.frozen_dtype)

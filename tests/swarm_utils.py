@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -16,6 +17,7 @@ import pytest
 
 from spes_node import records
 from spes_node.bootstrap import start_bootstrap
+from spes_node.checkpoint import CheckpointManager
 from spes_node.config import load_preset
 
 FAST = {"heartbeat_s": 1.0, "sync_steps": 5, "matchmaking_time": 2.0}
@@ -74,12 +76,12 @@ class Swarm:
         self.procs: dict[str, subprocess.Popen] = {}
         self.expected_deaths: set[str] = set()
 
-    def start(self, name: str, *args: str) -> subprocess.Popen:
+    def start(self, name: str, *args: str, config: Path | None = None) -> subprocess.Popen:
         node_dir = self.tmp / name
         node_dir.mkdir(exist_ok=True)
         cmd = [
             sys.executable, "-m", "spes_node.cli", "join", "--run-id", self.run_id, "--peers", self.maddr,
-            "--config", str(self.config_path), "--checkpoint-dir", str(node_dir), "--device", "cpu",
+            "--config", str(config or self.config_path), "--checkpoint-dir", str(node_dir), "--device", "cpu",
             "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--public-name", name, *args,
         ]  # fmt: skip
         with open(self.tmp / f"{name}.log", "w") as log:
@@ -96,9 +98,10 @@ class Swarm:
         return records.fetch_nodes(self.bootstrap, self.run_id)
 
     def check_alive(self) -> None:
+        """Fail early when a node died (a node that finished its --max-rounds exits 0 and is fine)."""
         for name, proc in self.procs.items():
             code = proc.poll()
-            if code is not None and name not in self.expected_deaths:
+            if code not in (None, 0) and name not in self.expected_deaths:
                 pytest.fail(f"{name} exited with {code}:\n{self.log(name)[-3000:]}")
 
     def wait_for(self, condition: Callable[[], T], timeout: float, what: str) -> T:
@@ -108,6 +111,19 @@ class Swarm:
         self.expected_deaths.add(name)
         self.procs[name].send_signal(sig)
         self.procs[name].wait(30)
+
+    def wait_exit(self, name: str, timeout: float) -> int:
+        try:
+            return self.procs[name].wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{name} did not exit within {timeout}s:\n{self.log(name)[-3000:]}")
+
+    def summary(self, name: str) -> dict:
+        """What the node wrote beside its checkpoints when it exited."""
+        return json.loads((self.tmp / name / "summary.json").read_text())
+
+    def checkpoint(self, name: str):
+        return CheckpointManager(self.tmp / name).latest()
 
     def close(self, names: Sequence[str] | None = None) -> None:
         for name in names or list(self.procs):

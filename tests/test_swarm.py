@@ -2,92 +2,16 @@
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
-
-from spes_node import records
-from spes_node.bootstrap import start_bootstrap
-from spes_node.checkpoint import CheckpointManager
-from spes_node.config import load_preset
+from swarm_utils import Swarm
 
 pytestmark = pytest.mark.swarm
 
-FAST = {"heartbeat_s": 1.0, "sync_steps": 5, "matchmaking_time": 2.0, "averaging_timeout": 20.0}
-
-
-class Swarm:
-    """A bootstrap DHT plus `spes-node join` processes, each with its own checkpoint dir and log."""
-
-    def __init__(self, tmp_path: Path, run_id: str = "t", **swarm_overrides):
-        self.tmp, self.run_id = tmp_path, run_id
-        self.cfg = load_preset("tiny").replace(swarm={**FAST, **swarm_overrides})
-        self.config_path = tmp_path / "config.json"
-        self.config_path.write_text(self.cfg.to_json())
-        self.bootstrap = start_bootstrap(["/ip4/127.0.0.1/tcp/0"])
-        self.maddr = str(self.bootstrap.get_visible_maddrs()[0])
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self, name: str, *args: str, config: Path | None = None) -> subprocess.Popen:
-        node_dir = self.tmp / name
-        node_dir.mkdir(exist_ok=True)
-        cmd = [
-            sys.executable, "-m", "spes_node.cli", "join", "--run-id", self.run_id, "--peers", self.maddr,
-            "--config", str(config or self.config_path), "--checkpoint-dir", str(node_dir), "--device", "cpu",
-            "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--public-name", name, *args,
-        ]  # fmt: skip
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        log = open(self.tmp / f"{name}.log", "w")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        self.procs[name] = proc
-        return proc
-
-    def log(self, name: str) -> str:
-        return (self.tmp / f"{name}.log").read_text()
-
-    def nodes(self) -> dict[str, records.NodeInfo]:
-        return records.fetch_nodes(self.bootstrap, self.run_id)
-
-    def wait_for(self, condition, timeout: float, what: str):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = condition()
-            if value:
-                return value
-            for name, proc in self.procs.items():
-                code = proc.poll()
-                if code not in (None, 0) and name not in getattr(self, "expected_deaths", ()):
-                    pytest.fail(
-                        f"{name} exited with {code} while waiting for {what}:\n{self.log(name)[-3000:]}"
-                    )
-            time.sleep(0.5)
-        pytest.fail(f"timed out after {timeout}s waiting for {what}")
-
-    def wait_exit(self, name: str, timeout: float) -> int:
-        try:
-            return self.procs[name].wait(timeout)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{name} did not exit within {timeout}s:\n{self.log(name)[-3000:]}")
-
-    def summary(self, name: str) -> dict:
-        return json.loads((self.tmp / name / "summary.json").read_text())
-
-    def checkpoint(self, name: str):
-        return CheckpointManager(self.tmp / name).latest()
-
-    def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-        self.bootstrap.shutdown()
+SWARM_TEST = {"averaging_timeout": 20.0}
 
 
 @pytest.fixture
@@ -95,7 +19,7 @@ def swarm_factory(tmp_path):
     made = []
 
     def make(**kwargs) -> Swarm:
-        made.append(Swarm(tmp_path, **kwargs))
+        made.append(Swarm(tmp_path, **{**SWARM_TEST, **kwargs}))
         return made[-1]
 
     yield make
@@ -211,12 +135,10 @@ def _has_round(swarm: Swarm) -> bool:
 
 def test_sigkill_does_not_stall_the_others(swarm_factory):
     swarm = swarm_factory(num_shards=2)
-    swarm.expected_deaths = ("victim",)
     for name in ("a", "b", "victim"):
         swarm.start(name, "--max-rounds", "4", "--wait-peers", "3")
     swarm.wait_for(lambda: min((n.round for n in swarm.nodes().values()), default=0) >= 1, 180, "round 1")
-    swarm.procs["victim"].send_signal(signal.SIGKILL)
-    swarm.procs["victim"].wait(10)
+    swarm.kill("victim")
     for name in ("a", "b"):
         assert swarm.wait_exit(name, 240) == 0, swarm.log(name)[-3000:]
         s = swarm.summary(name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -278,3 +279,33 @@ def test_a_dense_model_without_tokenizer_needs_one_named(tmp_path):
     upcycled = init(*base, "--tokenizer", "bytes")
     assert upcycled.exit_code == 0, upcycled.output
     assert load_config(tmp_path / "o" / SPES_CONFIG_FILE).data.tokenizer == "bytes"
+
+
+@pytest.mark.swarm
+def test_an_upcycled_model_founds_a_two_node_swarm_that_trains(tmp_path):
+    """Issue 7's check: a tiny dense Llama, upcycled, founds a real 2-node swarm whose loss falls."""
+    from swarm_utils import FAST, Swarm
+
+    make_dense(tmp_path / "dense", "llama")
+    args = ["--experts", "4", "--top-k", "2", "--shards", "2", "--preset", "tiny"]
+    upcycle(tmp_path / "dense", tmp_path / "moe", *args)
+    (tmp_path / "swarm").mkdir()
+    swarm = Swarm(tmp_path / "swarm", run_id="upcycled")
+    cfg = load_config(tmp_path / "moe" / SPES_CONFIG_FILE).replace(swarm={**FAST, "averaging_timeout": 20.0})
+    config = tmp_path / "swarm-config.json"
+    config.write_text(cfg.to_json())
+    try:
+        swarm.start("founder", "--init-from", str(tmp_path / "moe"), config=config)
+        swarm.wait_for(lambda: any(n.state == "training" for n in swarm.nodes().values()), 120, "the founder")
+        swarm.start("joiner", "--max-rounds", "3", config=config)
+        assert swarm.wait_exit("joiner", 240) == 0, swarm.log("joiner")[-3000:]
+        swarm.procs["founder"].send_signal(signal.SIGTERM)
+        assert swarm.wait_exit("founder", 60) == 0, swarm.log("founder")[-3000:]
+    finally:
+        swarm.close()
+    assert "initial weights from" in swarm.log("founder")
+    assert "downloaded the swarm state" in swarm.log("joiner")
+    for name in ("founder", "joiner"):
+        summary = swarm.summary(name)
+        assert summary["last_loss"] < summary["first_loss"] - 0.5, (name, summary["loss_history"])
+    assert any(r["shared_group"] == 2 for r in swarm.summary("joiner")["rounds"])
