@@ -1,0 +1,229 @@
+"""bytes_per_round_ratio_vs_diloco: bytes a node sends plus receives per round, SPES versus the DiLoCo stand-in.
+
+Both swarms run the same model, the same number of nodes and the same wire precision; the DiLoCo stand-in is the
+same code with one shard holding every expert (every node trains and all-reduces the whole model). Each node sits
+in its own network namespace, so the headline counts real bytes on its link (all traffic: all-reduce, refresh, DHT,
+headers), per complete round window. The breakdown by kind is the nodes' own accounting: all-reduce bytes are
+computed by the node from hivemind's butterfly formula at wire precision, refresh bytes are the serialized tensor
+bytes that arrived (received) or that the node's state server streamed (served). The reference implementation's
+central-server scheme, and larger swarms, are given analytically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+
+from benchmarks.common import LoadMonitor, emit, table, write_result
+from benchmarks.netns import NetnsUnavailable, check_available
+from benchmarks.network_runs import NetworkRun, run_shaped_swarm
+from spes_node.averaging import WIRE_BYTES
+from spes_node.config import SpesConfig, load_preset
+from spes_node.model import analytic_param_count
+
+logger = logging.getLogger(__name__)
+
+SETTINGS = {
+    "preset": "small",
+    "num_nodes": 4,
+    "spes_num_shards": 2,
+    "sync_steps": 2,
+    "rounds": 2,
+    "rate_mbit": 200,
+    "timeout_s": 900,
+}
+KINDS = ("shared", "shard", "refresh_received", "refresh_served")
+
+
+def configs(settings: dict) -> dict[str, SpesConfig]:
+    base = load_preset(settings["preset"])
+    n = settings["num_nodes"]
+    spes_shards = settings["spes_num_shards"]
+    return {
+        "spes": base.replace(
+            swarm={
+                "num_shards": spes_shards,
+                "sync_steps": settings["sync_steps"],
+                "replication_target": n // spes_shards,
+            }
+        ),
+        "diloco": base.replace(
+            swarm={"num_shards": 1, "sync_steps": settings["sync_steps"], "replication_target": n}
+        ),
+    }
+
+
+def per_round(run: NetworkRun) -> dict:
+    """Mean bytes per node per complete round: by kind (accounting) and on the wire."""
+    windows = run.windows
+    if not windows:
+        raise RuntimeError(f"{run.label}: no complete round windows")
+    count = len(windows)
+    by_kind = {
+        "shared": sum(w.payload_sent["shared"] + w.payload_received["shared"] for w in windows) / count,
+        "shard": sum(w.payload_sent["shard"] + w.payload_received["shard"] for w in windows) / count,
+        "refresh_received": sum(w.payload_received["refresh"] for w in windows) / count,
+        "refresh_served": sum(w.payload_sent["refresh_served"] for w in windows) / count,
+    }
+    failed = sum(len(r["report"].get("errors", [])) for n in run.nodes for r in n.timeline["rounds"])
+    groups = sorted(
+        {
+            (r["report"]["shared_group"], r["report"]["shard_group"])
+            for n in run.nodes
+            for r in n.timeline["rounds"]
+        }
+    )
+    return {
+        "windows": count,
+        "payload_by_kind": by_kind,
+        "payload_total": sum(by_kind.values()),
+        "wire_total": sum(w.wire_total for w in windows) / count,
+        "wire_sent": sum(w.wire_sent for w in windows) / count,
+        "wire_received": sum(w.wire_received for w in windows) / count,
+        "failed_allreduces": failed,
+        "group_sizes_seen": groups,
+        "seconds": run.seconds,
+    }
+
+
+def analytic(cfg: SpesConfig, num_nodes: int, num_shards: int, replicas: int) -> dict[str, float]:
+    """Bytes per node per round from parameter counts (fp32 elements, wire precision from the config).
+
+    Butterfly all-reduce in a group of g: a node sends and receives 2 (g-1)/g of the vector each. Refresh: a node
+    receives the (S-1)/S experts it does not hold; serving is spread over the holders, so on average it also sends
+    that much. DiLoCo: the whole model in a group of n. Server (the reference): upload shared + own experts,
+    download the full model, every round.
+    """
+    counts = analytic_param_count(cfg.model)
+    w = WIRE_BYTES[cfg.swarm.wire_compression]
+    shared, experts, total = counts["shared"], counts["experts"], counts["total"]
+    n, S, r = num_nodes, num_shards, replicas
+    refresh = (S - 1) / S * experts * w / cfg.swarm.refresh_every
+    spes = {
+        "shared": 4 * (n - 1) / n * shared * w,
+        "shard": 4 * (r - 1) / r * experts / S * w if r > 1 else 0.0,
+        "refresh_received": refresh,
+        "refresh_served": refresh,
+    }
+    spes["total"] = sum(spes.values())
+    diloco = 4 * (n - 1) / n * total * w
+    server = (shared + experts / S) * w + total * w
+    return {
+        **{f"spes_{k}": v for k, v in spes.items()},
+        "diloco_total": diloco,
+        "server_total": server,
+        "server_total_fp32": (shared + experts / S) * 4 + total * 4,
+        "spes_vs_diloco": spes["total"] / diloco,
+        "server_vs_diloco": server / diloco,
+    }
+
+
+def run(workdir: Path, settings: dict | None = None) -> dict:
+    settings = {**SETTINGS, **(settings or {})}
+    cfgs = configs(settings)
+    n, S = settings["num_nodes"], settings["spes_num_shards"]
+    try:
+        check_available()
+        netns_problem = None
+    except NetnsUnavailable as e:
+        netns_problem = str(e)
+        logger.warning(f"no network namespaces ({e}): counting the nodes' accounting on 127.0.0.1 only")
+    with LoadMonitor() as load:
+        runs = {
+            name: run_shaped_swarm(
+                name,
+                cfg,
+                n,
+                settings["rate_mbit"],
+                settings["rounds"],
+                workdir / name,
+                settings["timeout_s"],
+                use_netns=netns_problem is None,
+            )
+            for name, cfg in cfgs.items()
+        }
+    measured = {name: per_round(r) for name, r in runs.items()}
+    spes, diloco = measured["spes"], measured["diloco"]
+    headline_kind = "payload_total" if netns_problem else "wire_total"
+    predicted = analytic(cfgs["spes"], n, S, n // S)
+    extrapolated = {
+        f"{preset} S={shards} n={nodes} refresh_every={every}": analytic(
+            load_preset(preset).replace(swarm={"num_shards": shards, "refresh_every": every}),
+            nodes,
+            shards,
+            nodes // shards,
+        )
+        for preset, shards, nodes in (("small", 8, 16), ("spes-1b", 4, 8), ("spes-7b", 4, 8))
+        for every in (1, 4)
+    }
+    results = {
+        "bytes_per_round_ratio_vs_diloco": spes[headline_kind] / diloco[headline_kind],
+        "payload_ratio_vs_diloco": spes["payload_total"] / diloco["payload_total"],
+        "measured": measured,
+        "analytic_same_setting": predicted,
+        "analytic_other_settings": extrapolated,
+        "counting": (
+            f"headline: the nodes' accounting (no namespaces: {netns_problem})"
+            if netns_problem
+            else "headline: link counters of each node's namespace (all traffic); by kind: the nodes' accounting"
+        ),
+    }
+    mb = 1e6
+    rows = [
+        [
+            kind,
+            spes["payload_by_kind"][kind] / mb,
+            predicted[f"spes_{kind}"] / mb,
+            diloco["payload_by_kind"][kind] / mb,
+        ]
+        for kind in KINDS
+    ]
+    rows.append(
+        [
+            "payload total",
+            spes["payload_total"] / mb,
+            predicted["spes_total"] / mb,
+            diloco["payload_total"] / mb,
+        ]
+    )
+    rows.append(["on the wire (tx+rx)", spes["wire_total"] / mb, None, diloco["wire_total"] / mb])
+    emit(
+        table(
+            ["MB per node per round", "SPES", "SPES analytic", "DiLoCo"],
+            rows,
+            title=f"bytes per round ({settings['preset']}, {n} nodes, SPES S={S} x {n // S} replicas, "
+            f"{cfgs['spes'].swarm.wire_compression} on the wire, {settings['rate_mbit']} Mbit/s links)",
+        )
+    )
+    emit(
+        f"ratio vs DiLoCo: wire {results['bytes_per_round_ratio_vs_diloco']:.3f}, payload "
+        f"{results['payload_ratio_vs_diloco']:.3f}, analytic {predicted['spes_vs_diloco']:.3f}; reference server scheme "
+        f"{predicted['server_total'] / mb:.1f} MB per node ({predicted['server_vs_diloco']:.3f} of DiLoCo)"
+    )
+    emit(
+        table(
+            ["analytic setting", "SPES MB", "DiLoCo MB", "server MB", "SPES/DiLoCo"],
+            [
+                [k, v["spes_total"] / mb, v["diloco_total"] / mb, v["server_total"] / mb, v["spes_vs_diloco"]]
+                for k, v in extrapolated.items()
+            ],
+        )
+    )
+    settings = {**settings, "configs": {name: cfg.to_dict() for name, cfg in cfgs.items()}}
+    write_result("bytes_per_round", settings, results, load.summary())
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", default="runs/benchmarks/bytes_per_round")
+    args = parser.parse_args()
+    started = time.time()
+    run(Path(args.workdir))
+    emit(f"bytes-per-round benchmark took {time.time() - started:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""`spes-node join` with benchmark instrumentation: `python -m benchmarks.node_runner join ARGS...`.
+
+The daemon runs unchanged; a few methods are wrapped to record what the benchmarks need, written as JSON to
+`$SPES_BENCH_TIMELINE` when the node shuts down:
+- wall-clock times of every training step (with its tokens), of every round (begin: the sync starts; end: its
+  result is applied) and of startup;
+- at each round start and at shutdown, the node's byte counters by kind and the bytes its state server sent
+  (frozen-expert refreshes it served to others), so that bytes can be attributed to rounds;
+- the resident-set size after imports and its high-water mark at shutdown (training process only).
+
+Switches, all from the environment:
+- `SPES_BENCH_NO_SYNC=1`: a round does nothing but count itself (no averaging, refresh or merge); the loop, its
+  per-round checkpoints and `--max-rounds` stay, so the run is "the same loop with syncing turned off".
+- `SPES_BENCH_DATA_PART=i/n`: read data part i of n. Nodes that start together compute their part before they
+  see each other's records, so two replicas of a shard can pick the same part; the benchmarks pin parts to
+  compare methods on disjoint data. The part the node would have chosen is recorded too.
+- `SPES_BENCH_EXIT_AFTER_STARTUP=1`: leave (cleanly) as soon as startup is done, for join-time measurements.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+from spes_node import node as node_module
+from spes_node.cli import main as cli_main
+from spes_node.node import Node
+from spes_node.rounds import SpesRound
+from spes_node.trainer import Trainer
+
+TIMELINE: dict = {
+    "process_start": time.time(),
+    "steps": [],
+    "rounds": [],
+    "counters": [],
+    "startup": {},
+    "data_part": {},
+    "no_sync": os.environ.get("SPES_BENCH_NO_SYNC") == "1",
+}
+
+
+def rss_kib(field: str = "VmRSS") -> int:
+    """A memory field of /proc/self/status in KiB (VmRSS: resident now, VmHWM: its peak)."""
+    match = re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text())
+    return int(match.group(1)) if match else 0
+
+
+def _counters(node: Node) -> dict:
+    sync = getattr(node, "sync", None)
+    server = getattr(sync, "server", None)
+    return {
+        "time": time.time(),
+        "round": node.status.round,
+        "sent": dict(node.status.bytes_sent),
+        "received": dict(node.status.bytes_received),
+        "served": int(getattr(server, "bytes_sent", 0)),
+    }
+
+
+def _wrap_train_step(original):
+    def train_step(self: Trainer):
+        stats = original(self)
+        TIMELINE["steps"].append([time.time(), stats.tokens, stats.seconds])
+        return stats
+
+    return train_step
+
+
+def _wrap_begin_round(original):
+    def begin_round(self: SpesRound, overlap: bool) -> None:
+        called = time.time()
+        self.finish_pending()  # what begin_round does first: the previous round's refresh belongs to that round
+        TIMELINE["counters"].append(_counters(self.node))
+        TIMELINE["rounds"].append({"called": called, "start": time.time(), "overlap": overlap})
+        if not TIMELINE["no_sync"]:
+            original(self, overlap)
+            return
+        self.node.end_round_loss()
+        self._inflight = {"no_sync": True, "shared": None, "shard": None}
+
+    return begin_round
+
+
+def _wrap_complete_round(original):
+    def complete_round(self: SpesRound) -> None:
+        if TIMELINE["no_sync"]:
+            _skip_round(self)
+        else:
+            original(self)
+        TIMELINE["rounds"][-1].update(end=time.time(), report=dict(self.last_report))
+
+    return complete_round
+
+
+def _skip_round(sync: SpesRound) -> None:
+    node = sync.node
+    sync._inflight = None
+    node.status.round += 1
+    sync.last_report = {
+        "round": node.status.round,
+        "loss": node.status.loss_history[-1] if node.status.loss_history else float("nan"),
+        "shared_group": 1,
+        "shard_group": 1,
+        "bytes_shared": 0,
+        "bytes_shard": 0,
+        "seconds": 0.0,
+        "errors": [],
+    }
+
+
+def _wrap_startup(original):
+    def startup(self: Node) -> None:
+        TIMELINE["startup"]["start"] = time.time()
+        TIMELINE["startup"]["rss_kib_before"] = rss_kib()
+        original(self)
+        TIMELINE["startup"]["end"] = time.time()
+        TIMELINE["startup"]["shard"] = self.shard
+        if os.environ.get("SPES_BENCH_EXIT_AFTER_STARTUP") == "1":
+            self.stop_event.set()
+
+    return startup
+
+
+def _wrap_shutdown(original):
+    def shutdown(self: Node) -> None:
+        TIMELINE["rss_kib_peak"] = rss_kib("VmHWM")
+        if getattr(self, "sync", None) is not None:
+            TIMELINE["counters"].append(_counters(self))
+        TIMELINE["exit"] = time.time()
+        try:
+            original(self)
+        finally:
+            path = os.environ.get("SPES_BENCH_TIMELINE")
+            if path:
+                Path(path).write_text(json.dumps(TIMELINE))
+
+    return shutdown
+
+
+def _wrap_data_part(original):
+    def data_part(nodes, peer_id, shard, num_shards, replication_target):
+        chosen = original(nodes, peer_id, shard, num_shards, replication_target)
+        TIMELINE["data_part"]["chosen"] = list(chosen)
+        pinned = os.environ.get("SPES_BENCH_DATA_PART")
+        if not pinned:
+            return chosen
+        part, num_parts = (int(x) for x in pinned.split("/"))
+        TIMELINE["data_part"]["pinned"] = [part, num_parts]
+        return part, num_parts
+
+    return data_part
+
+
+def install() -> None:
+    Trainer.train_step = _wrap_train_step(Trainer.train_step)
+    SpesRound.begin_round = _wrap_begin_round(SpesRound.begin_round)
+    SpesRound.complete_round = _wrap_complete_round(SpesRound.complete_round)
+    Node.startup = _wrap_startup(Node.startup)
+    Node.shutdown = _wrap_shutdown(Node.shutdown)
+    node_module.data_part = _wrap_data_part(node_module.data_part)
+
+
+if __name__ == "__main__":
+    install()
+    sys.exit(cli_main())

@@ -1,0 +1,130 @@
+"""The benchmark code runs and its arithmetic is right (seconds; the benchmarks themselves are not tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import memory
+from benchmarks.bytes_per_round import analytic
+from benchmarks.common import table
+from benchmarks.link_utilisation import window_utilisation
+from benchmarks.network_runs import round_windows
+from benchmarks.run_all import gather
+from benchmarks.swarm import NodeRun
+from spes_node.config import load_preset
+from spes_node.model import analytic_param_count
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_analytic_spes_with_one_shard_is_diloco():
+    cfg = load_preset("small").replace(swarm={"num_shards": 1})
+    a = analytic(cfg, num_nodes=4, num_shards=1, replicas=4)
+    assert a["spes_refresh_received"] == 0
+    assert a["spes_total"] == pytest.approx(a["diloco_total"])
+    counts = analytic_param_count(cfg.model)
+    assert a["diloco_total"] == pytest.approx(4 * 3 / 4 * counts["total"] * 2)
+
+
+def test_analytic_spes_breakdown():
+    cfg = load_preset("small").replace(swarm={"num_shards": 2, "refresh_every": 2})
+    counts = analytic_param_count(cfg.model)
+    a = analytic(cfg, num_nodes=4, num_shards=2, replicas=2)
+    assert a["spes_shard"] == pytest.approx(2 * counts["experts"] / 2 * 2)
+    assert a["spes_refresh_received"] == pytest.approx(counts["experts"] / 2 * 2 / 2)
+    assert a["server_total"] == pytest.approx(
+        (counts["shared"] + counts["experts"] / 2 + counts["total"]) * 2
+    )
+
+
+def test_memory_bound_for_all_experts_is_sixteen_bytes_per_parameter():
+    cfg = load_preset("small")
+    total = analytic_param_count(cfg.model)["total"]
+    assert memory.analytic_bytes(cfg, 8, 8, "bf16") == 16 * total
+    assert memory.analytic_bytes(cfg, 8, 1, "int8") < memory.analytic_bytes(cfg, 8, 1, "bf16")
+
+
+def test_memory_probe_measures_a_tiny_model():
+    result = memory.probe("tiny", num_shards=4, owned="one", frozen_dtype="bf16", steps=1)
+    assert result["peak_kib"] > 0
+    assert result["tensor_bytes"]["frozen_buffers"] > 0
+    assert len(result["step_seconds"]) == 1
+
+
+def _timeline(rounds, counters):
+    return {"rounds": rounds, "counters": counters}
+
+
+def test_round_windows_attribute_bytes_and_find_the_transfer():
+    counters = [
+        {"sent": {}, "received": {}, "served": 0},
+        {
+            "sent": {"shared": 100, "shard": 50},
+            "received": {"shared": 100, "shard": 50, "refresh": 400},
+            "served": 7,
+        },
+        {
+            "sent": {"shared": 200, "shard": 100},
+            "received": {"shared": 200, "shard": 100, "refresh": 800},
+            "served": 7,
+        },
+    ]
+    rounds = [{"start": 10.0}, {"start": 20.0}, {"start": 30.0}]
+    node = NodeRun("n0", Path("."), Path("."), 0, {}, _timeline(rounds, counters))
+    rate_mbit = 8.0  # 1e6 bytes/s: "transferring" above 5e4 bytes/s
+    samples = [(t / 2, 0, 0) for t in range(0, 24)]  # idle until t = 12
+    samples += [(12.0 + k, 1_000_000 * (k + 1), 500_000 * (k + 1)) for k in range(4)]  # busy 12..15
+    samples += [(16.0 + k, 4_000_000, 2_000_000) for k in range(20)]
+    windows = round_windows(node, samples, rate_mbit)
+    assert len(windows) == 2
+    first = windows[0]
+    assert first.payload_sent == {"shared": 100, "shard": 50, "refresh_served": 7}
+    assert first.payload_received == {"shared": 100, "shard": 50, "refresh": 400}
+    assert (first.wire_sent, first.wire_received) == (4_000_000, 2_000_000)
+    assert (first.active_start, first.active_end) == (11.5, 15.0)
+    u = window_utilisation(first, rate_mbit)
+    assert u["utilisation_wire"] == pytest.approx(4_000_000 / 3.5 / 1e6)
+    assert windows[1].active_start is None and window_utilisation(windows[1], rate_mbit) is None
+
+
+def test_table_and_gather_handle_missing_numbers():
+    text = table(["a", "b"], [["x", 1.23456], ["y", None]])
+    assert "1.235" in text and "-" in text.splitlines()[-1]
+    document = gather({"memory": {"memory_ratio": 0.4, "by_frozen_dtype": {}}}, {"quality": "boom"}, 1.0, {})
+    assert document["goals"]["memory_ratio"]["met"] is True
+    assert document["goals"]["throughput_ratio"]["met"] is None
+    assert document["errors"] == {"quality": "boom"}
+    json.dumps(document)
+
+
+def test_gpu_step_script_runs_on_cpu_with_the_tiny_preset():
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.gpu_step",
+            "--tiny",
+            "--device",
+            "cpu",
+            "--no-write",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--shards",
+            "4",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "1 of 4" in out.stdout and "all" in out.stdout
