@@ -465,6 +465,7 @@ class RobustAverager(DecentralizedAverager):
         )
         assert group_id in self._running_groups, f"group {group_id} was not registered"
         self._running_groups[group_id].set_result(runner)
+        logger.debug(f"all-reduce of {self.prefix} with {len(group_info.peer_ids)} peers begins")
         async for tensor, update in azip(as_aiter(*tensors), runner):
             tensor.add_(update, alpha=self._averaging_alpha)
             self.last_updated = get_dht_time()

@@ -1,0 +1,199 @@
+"""Multi-host tests: every node in its own network namespace on a shaped link (see `netns.py`).
+
+They need root and iproute2 (CI runs as root); elsewhere they skip with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from netns import HostSwarm, Network, unavailable
+from swarm_utils import wait_for
+
+from spes_node.shards import replica_counts
+
+REASON = unavailable()
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.swarm,
+    pytest.mark.skipif(REASON is not None, reason=REASON or ""),
+]
+
+RATE_MBIT = 5
+"""Every link: a few Mbit/s each way, so what crosses the simulated internet is what limits the rounds."""
+ALLREDUCE_BYTES = 50_000
+"""A node sends about 1 MB of its parts per tiny round; heartbeats and DHT traffic are a few kB."""
+ALLREDUCE_BEGINS = "peers begins"
+"""What a node logs at debug level when one of its all-reduces starts (`robust.py`)."""
+
+
+@pytest.fixture
+def network():
+    with Network() as net:
+        yield net
+
+
+@pytest.fixture
+def net_swarm(tmp_path, network):
+    made: list[HostSwarm] = []
+
+    def make(**overrides) -> HostSwarm:
+        made.append(HostSwarm(tmp_path, bootstrap_maddr=network.maddr(), **overrides))
+        return made[-1]
+
+    yield make
+    for swarm in made:
+        swarm.close()
+
+
+def _by_name(swarm: HostSwarm) -> dict:
+    return {n.public_name: n for n in swarm.nodes().values()}
+
+
+def _sent_bytes(host) -> int:
+    """Bytes the host has sent on its link (what its end of the bridge received)."""
+    return int(Path(f"/sys/class/net/{host.veth}/statistics/rx_bytes").read_text())
+
+
+def _round(swarm: HostSwarm, name: str) -> int:
+    """The node's round as its record says (-1 while the record is missing, e.g. between two heartbeats)."""
+    node = _by_name(swarm).get(name)
+    return node.round if node is not None else -1
+
+
+def test_kill_mid_allreduce_then_a_new_node_takes_the_weak_shard(network, net_swarm, tmp_path):
+    swarm = net_swarm(num_shards=2, heartbeat_s=2.0)
+    names = [f"n{i}" for i in range(4)]
+    hosts = {name: network.add_host(name, rate_mbit=RATE_MBIT) for name in [*names, "joiner"]}
+    for name in names:
+        env = {"SPES_LOG_LEVEL": "DEBUG"} if name == "n3" else None
+        swarm.start(name, "--wait-peers", "4", host=hosts[name], env=env)
+    swarm.wait_for(lambda: min((n.round for n in _by_name(swarm).values()), default=0) >= 1, 300, "round 1")
+
+    victim_name = "n3"
+    victim = swarm.wait_for(lambda: _by_name(swarm).get(victim_name), 30, "the victim's record")
+    # the victim logs (at debug level) when an all-reduce begins; the kill comes once its parts are on the wire
+    assembled = swarm.log(victim_name).count(ALLREDUCE_BEGINS)
+    swarm.wait_for(
+        lambda: swarm.log(victim_name).count(ALLREDUCE_BEGINS) > assembled, 120, "the victim's next group"
+    )
+    sent = _sent_bytes(hosts[victim_name])
+    swarm.wait_for(lambda: _sent_bytes(hosts[victim_name]) - sent > ALLREDUCE_BYTES, 30, "the victim's parts")
+    killed_at = time.monotonic()
+    swarm.crash(victim_name)
+    survivors = names[:3]
+    rounds_at_kill = {name: _round(swarm, name) for name in survivors}
+
+    # the others finish that round within its timeout and keep training
+    budget = 2 * swarm.cfg.swarm.matchmaking_time + swarm.cfg.swarm.averaging_timeout + 30
+    swarm.wait_for(
+        lambda: all(_round(swarm, name) >= max(rounds_at_kill.values()) + 2 for name in survivors),
+        2 * budget,
+        "the survivors to finish two more rounds",
+    )
+    assert time.monotonic() - killed_at < 2 * budget
+
+    # the victim's record expires; its shard is weaker but still held
+    swarm.wait_for(lambda: victim_name not in _by_name(swarm), 60, "the victim's record to expire")
+    counts = replica_counts(swarm.nodes(), swarm.cfg.swarm.num_shards)
+    assert min(counts) >= 1, f"a shard lost its last replica: {counts}"
+    weak = counts.index(min(counts))
+    assert weak == victim.shards[0] and counts[weak] < swarm.cfg.swarm.replication_target
+
+    joined_at = time.monotonic()
+    swarm.start("joiner", host=hosts["joiner"])
+    joiner = swarm.wait_for(
+        lambda: (n := _by_name(swarm).get("joiner")) is not None and n.state == "training" and n.shards and n,
+        180,
+        "the joiner to train",
+    )
+    assert joiner.shards == [weak]
+    swarm.wait_for(lambda: _round(swarm, "joiner") > joiner.round, 180, "the joiner to finish a round")
+    seconds_to_train = time.monotonic() - joined_at
+    assert replica_counts(swarm.nodes(), swarm.cfg.swarm.num_shards) == [2, 2]
+
+    for name in [*survivors, "joiner"]:
+        swarm.procs[name].send_signal(signal.SIGTERM)
+    for name in [*survivors, "joiner"]:
+        assert swarm.wait_exit(name, 120) == 0, swarm.log(name)[-3000:]
+    for name in survivors:
+        rounds = swarm.summary(name)["rounds"]
+        assert all(r["seconds"] < budget for r in rounds), rounds
+    summary = swarm.summary("joiner")
+    assert max(r["shared_group"] for r in summary["rounds"]) >= 2, summary["rounds"]
+    report = {
+        "link_mbit": RATE_MBIT,
+        "join_seconds": summary["join_seconds"],
+        "seconds_from_start_to_first_round": round(seconds_to_train, 1),
+        "state_download_bytes": summary["bytes_received"].get("state_download", 0),
+    }
+    (tmp_path / "join_report.json").write_text(json.dumps(report, indent=1))
+    print(f"\njoin over a {RATE_MBIT} Mbit/s link: {report}")
+    assert "downloaded the swarm state" in swarm.log("joiner")
+
+
+def test_client_without_inbound_connectivity_trains_and_averages(network, net_swarm):
+    swarm = net_swarm(num_shards=2, heartbeat_s=2.0)
+    servers = {name: network.add_host(name, rate_mbit=RATE_MBIT) for name in ("s0", "s1")}
+    client = network.add_host("client")
+    network.block_inbound(client, RATE_MBIT)
+
+    swarm.start("s0", "--shard", "0", "--wait-peers", "3", host=servers["s0"])
+    swarm.start("s1", "--shard", "1", "--wait-peers", "3", host=servers["s1"])
+    swarm.start(
+        "client", "--shard", "0", "--wait-peers", "3", "--client-mode", "--max-rounds", "2", host=client
+    )
+    swarm.wait_for(lambda: "client" in _by_name(swarm), 180, "the client's record")
+
+    # the client reaches the others; nobody reaches the client, whatever listens there
+    assert _connects(client, servers["s0"].address, _listening_ports(servers["s0"])[0])
+    with subprocess.Popen(client.command(sys.executable, "-c", LISTENER, client.address)) as listener:
+        try:
+            wait_for(lambda: LISTENER_PORT in _listening_ports(client), 30, "the probe listener")
+            for port in _listening_ports(client):
+                assert not _connects(servers["s1"], client.address, port), (
+                    f"the client accepted on port {port}"
+                )
+        finally:
+            listener.kill()
+
+    assert swarm.wait_exit("client", 300) == 0, swarm.log("client")[-3000:]
+    summary = swarm.summary("client")
+    assert summary["rounds_done"] == 2
+    last = summary["rounds"][-1]
+    assert last["shared_group"] == 3 and last["shard_group"] == 2, summary["rounds"]
+    assert summary["loss_history"][-1] < summary["first_loss"]
+
+
+LISTENER_PORT = 9
+LISTENER = (
+    "import socket, sys, time\n"
+    f"s = socket.socket(); s.bind((sys.argv[1], {LISTENER_PORT})); s.listen()\n"
+    "time.sleep(60)\n"
+)
+
+
+def _listening_ports(host) -> list[int]:
+    """TCP ports open on the host's address (p2pd's, for a node)."""
+    out = subprocess.run(host.command("ss", "-ltnH"), capture_output=True, text=True, check=True).stdout
+    return sorted(
+        {int(line.split()[3].rsplit(":", 1)[1]) for line in out.splitlines() if host.address in line}
+    )
+
+
+def _connects(host, address: str, port: int) -> bool:
+    probe = (
+        "import socket, sys\n"
+        "s = socket.socket(); s.settimeout(3)\n"
+        "sys.exit(0 if s.connect_ex((sys.argv[1], int(sys.argv[2]))) == 0 else 1)\n"
+    )
+    return (
+        subprocess.run(host.command(sys.executable, "-c", probe, address, str(port)), timeout=30).returncode
+        == 0
+    )
