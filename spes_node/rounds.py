@@ -209,7 +209,7 @@ class SpesRound:
         """Other nodes that may be averaging now; when there are none, the round is a local no-op."""
         nodes = records.fetch_nodes(self.node.dht, self.node.opts.run_id, self.cfg.swarm.num_shards)
         nodes.pop(self.node.peer_id, None)
-        return {peer: n for peer, n in nodes.items() if n.state in SERVING_STATES}
+        return {peer: n for peer, n in nodes.items() if n.state in SERVING_STATES and peer not in self.bans}
 
     def _finish(self, averager: GroupAverager, handle):
         if handle is None:

@@ -248,8 +248,10 @@ class HostSwarm(Swarm):
         host: Host | None = None,
         env: dict[str, str] | None = None,
         key: bool = True,
+        node_dir: str | None = None,
     ) -> subprocess.Popen:
-        node_dir = self.tmp / name
+        """Start node `name` (its log: `name`.log) with the checkpoint dir `node_dir` (default: `name`)."""
+        node_dir = self.tmp / (node_dir or name)
         node_dir.mkdir(exist_ok=True)
         cmd = [
             sys.executable, "-m", "spes_node.cli", "join", "--run-id", self.run_id, "--peers", self.maddr,

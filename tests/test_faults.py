@@ -3,14 +3,30 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
+from functools import partial
 
+import hivemind
 import pytest
 import torch
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.serializer import MSGPackSerializer
+from netns import HostSwarm
+from swarm_utils import spes_cli
 
+from spes_node import records
 from spes_node.averaging import valid_gather
+from spes_node.identity import peer_id_of
+from spes_node.proto import NodeRecord
 from spes_node.robust import (
     FAULT_ENV,
     BanList,
+    RobustAverager,
     RobustPartReducer,
     RobustPolicy,
     check_result,
@@ -204,3 +220,247 @@ def test_swarm_key_tags_and_flags(tmp_path):
         load_swarm_key("k" * 32, str(path))
     with pytest.raises(ValueError, match="--swarm-key-file: cannot read"):
         load_swarm_key(None, str(tmp_path / "missing"))
+
+
+# ---------------------------------------------------------------------------------------------- real swarms
+
+HEARTBEAT = {"heartbeat_s": 2.0}
+"""Records live 3 heartbeats; 1 s (the swarm tests' default) lets them lapse on a loaded 2-core machine."""
+
+
+@pytest.fixture
+def host_swarm(tmp_path):
+    made: list[HostSwarm] = []
+
+    def make(**overrides) -> HostSwarm:
+        made.append(HostSwarm(tmp_path, **{**HEARTBEAT, **overrides}))
+        return made[-1]
+
+    yield make
+    for swarm in made:
+        swarm.close()
+
+
+def _by_name(swarm: HostSwarm) -> dict[str, records.NodeInfo]:
+    return {n.public_name: n for n in swarm.nodes().values()}
+
+
+def _round(swarm: HostSwarm, name: str) -> int:
+    node = _by_name(swarm).get(name)
+    return node.round if node is not None else -1
+
+
+def _flat(tensors: dict[str, torch.Tensor], part: str = "all") -> torch.Tensor:
+    """All tensors, or only the shared ones (everything but experts), as one vector."""
+    names = sorted(k for k in tensors if part == "all" or ".mlp.shards." not in k)
+    return torch.cat([tensors[k].float().flatten() for k in names])
+
+
+@pytest.mark.swarm
+@pytest.mark.parametrize("fault", ["huge"])
+def test_bad_peer_cannot_drag_honest_weights_and_is_ignored_afterwards(host_swarm, fault):
+    swarm = host_swarm(num_shards=2)
+    honest = ["h0", "h1", "h2"]
+    for name in honest:
+        swarm.start(name, "--max-rounds", "3", "--wait-peers", "4")
+    swarm.start("bad", "--wait-peers", "4", env={FAULT_ENV: fault})
+    swarm.expected_deaths.add("bad")
+    for name in honest:
+        assert swarm.wait_exit(name, 300) == 0, swarm.log(name)[-3000:]
+    bad_id = peer_id_of(swarm.tmp / "bad" / "identity.key").to_base58()
+
+    for name in honest:
+        assert f"ignoring peer {bad_id}" in swarm.log(name), swarm.log(name)[-3000:]
+        rounds = swarm.summary(name)["rounds"]
+        first_ban = next(i for i, r in enumerate(rounds) if bad_id in r["banned"])
+        after = rounds[first_ban + 1 :]
+        assert all(bad_id in r["banned"] and r["shared_group"] <= 3 for r in after), rounds
+
+    states = {name: swarm.checkpoint(name).tensors for name in honest}
+    assert all(torch.isfinite(t).all() for state in states.values() for t in state.values())
+    # the fault is 1e4 times the weights; honest nodes end a few local steps apart: the shared parameters are
+    # averaged by all of them every round, experts only by a shard's replicas (the bad peer's partner trains
+    # its shard alone once the bad peer is banned) and refreshed as frozen copies a round late
+    for part, bound in (("shared", 0.1), ("all", 0.25)):
+        flat = {name: _flat(state, part) for name, state in states.items()}
+        average = torch.stack(list(flat.values())).mean(0)
+        distances = {name: float((w - average).norm() / average.norm()) for name, w in flat.items()}
+        print(f"\n{part} weights, distance to the honest average relative to its norm: {distances}")
+        assert max(distances.values()) < bound, (part, distances)
+
+
+@pytest.mark.swarm
+def test_crashed_node_restarts_with_its_identity_and_shard(host_swarm):
+    swarm = host_swarm(num_shards=2)
+    swarm.start("a", "--wait-peers", "2")
+    swarm.start("b", "--wait-peers", "2")
+    before = swarm.wait_for(
+        lambda: (n := _by_name(swarm).get("b")) is not None and n.round >= 2 and n, 240, "b at round 2"
+    )
+    swarm.crash("b")
+    saved = swarm.checkpoint("b")
+    # checkpoints are written after every round (and every checkpoint_every steps)
+    assert saved.step >= before.step - swarm.cfg.swarm.sync_steps
+
+    swarm.start("b-again", "--max-rounds", "2", node_dir="b")
+    assert swarm.wait_exit("b-again", 240) == 0, swarm.log("b-again")[-3000:]
+    log = swarm.log("b-again")
+    assert f"resumed from {saved.path.name}: round {saved.meta['round']}, step {saved.step}" in log, log[
+        -3000:
+    ]
+    summary = swarm.summary("b")
+    assert summary["peer_id"] == before.peer_id and summary["shard"] == before.shards[0]
+    assert summary["rounds_done"] == 2
+    assert summary["rounds"][0]["shared_group"] == 2, "it rejoins the very next round"
+    assert summary["step"] >= saved.step + 2 * swarm.cfg.swarm.sync_steps
+
+
+async def _store_raw(
+    _dht, node, *, key: str, subkey: bytes, value: bytes, expiration_time: float, padding: int = 0
+) -> bool:
+    # runs inside the DHT process, where the padding is added: the command pipe cannot carry a value that large
+    return await node.store(key, value + b"\x00" * padding, expiration_time, subkey=subkey)
+
+
+@pytest.mark.swarm
+def test_malformed_unsigned_and_oversized_records_are_ignored(host_swarm):
+    swarm = host_swarm(num_shards=2)
+    for name in ("a", "b"):
+        swarm.start(name, "--wait-peers", "2")
+    swarm.wait_for(lambda: min(_round(swarm, n) for n in ("a", "b")) >= 1, 240, "round 1")
+
+    validator = RSASignatureValidator(RSAPrivateKey())
+    vandal = hivemind.DHT(
+        initial_peers=[swarm.maddr],
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        record_validators=[validator],
+        start=True,
+    )
+    try:
+        victim_id = next(iter(swarm.nodes()))
+        key, expiration = records.node_key(swarm.run_id), get_dht_time() + 300
+        # each bad record under its own subkey (a subkey keeps one value): fake peer ids, signed by the vandal
+        fake = [vandal.peer_id.to_base58() + letter for letter in "ABCDEF"]
+        bad_records = {
+            "garbage": (fake[0], True, b"\xff\x00 not a protobuf", 0),
+            "unsigned": (fake[1], False, NodeRecord(peer_id=fake[1], shards=[0]).SerializeToString(), 0),
+            "out of range": (fake[2], True, NodeRecord(peer_id=fake[2], shards=[999]).SerializeToString(), 0),
+            "not finite": (fake[3], True, NodeRecord(peer_id=fake[3], shards=[0], loss=float("nan")).SerializeToString(), 0),
+            "impostor": (fake[4], True, NodeRecord(peer_id=victim_id, shards=[1]).SerializeToString(), 0),
+            "oversized": (fake[5], True, NodeRecord(peer_id=fake[5], shards=[0]).SerializeToString(), records.MAX_VALUE_BYTES),
+        }  # fmt: skip
+        for what, (prefix, sign, value, padding) in bad_records.items():
+            subkey = prefix.encode() + (validator.local_public_key if sign else b"")
+            store = partial(
+                _store_raw, key=key, subkey=subkey, value=value, expiration_time=expiration, padding=padding
+            )
+            assert vandal.run_coroutine(store), what
+        store = partial(
+            _store_raw,
+            key=records.config_key(swarm.run_id),
+            subkey=validator.local_public_key,
+            value=b"\x01\x02 not a config",
+            expiration_time=expiration,
+        )
+        assert vandal.run_coroutine(store)
+        swarm.wait_for(
+            lambda: (
+                (found := swarm.bootstrap.get(key, latest=True)) and len(found.value) >= 2 + len(bad_records)
+            ),
+            60,
+            "the bad records to reach the bootstrap",
+        )
+        readable = records.fetch_nodes(swarm.bootstrap, swarm.run_id, swarm.cfg.swarm.num_shards)
+        assert sorted(n.public_name for n in readable.values()) == ["a", "b"], (
+            "the impostor did not replace a"
+        )
+
+        at_injection = max(_round(swarm, n) for n in ("a", "b"))
+        swarm.wait_for(
+            lambda: min(_round(swarm, n) for n in ("a", "b")) >= at_injection + 2, 240, "two more rounds"
+        )
+        status = spes_cli("status", "--peers", swarm.maddr, "--run-id", swarm.run_id, "--json", timeout=180)
+    finally:
+        vandal.shutdown()
+    assert status.returncode == 0, status.stderr[-3000:]
+    assert "Traceback" not in status.stderr
+    listed = {n["peer_id"]: n["public_name"] for n in json.loads(status.stdout)["nodes"]}
+    strangers = set(listed) - set(readable)
+    assert sorted(listed[p] for p in readable) == ["a", "b"]
+    # status reads records without the swarm's number of shards, so only a shard id beyond it gets through there
+    assert strangers <= {bad_records["out of range"][0]}, strangers
+    for name in ("a", "b"):
+        log = swarm.log(name)
+        assert "Ignoring node record" in log and "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.swarm
+def test_peer_without_the_swarm_key_is_refused(host_swarm):
+    key = SwarmKey.generate()
+    swarm = host_swarm(num_shards=2, swarm_key=key)
+    for name in ("a", "b"):
+        swarm.start(name, "--wait-peers", "2")
+    swarm.wait_for(lambda: min(_round(swarm, n) for n in ("a", "b")) >= 1, 240, "round 1")
+
+    # a node without the key, or with another key, cannot even reach the swarm's DHT
+    wrong = SwarmKey.generate()
+    swarm.start("keyless", "--max-rounds", "1", key=False)
+    swarm.start("wrong-key", "--max-rounds", "1", "--swarm-key", wrong, key=False)
+    swarm.expected_deaths |= {"keyless", "wrong-key"}
+    for name in ("keyless", "wrong-key"):
+        assert swarm.wait_exit(name, 180) == 2, swarm.log(name)[-3000:]
+        log = swarm.log(name)
+        assert "cannot start or reach the DHT" in log and "Traceback" not in log, log[-3000:]
+
+    # a stranger's DHT peer reads nothing, and nothing it writes reaches a keyed reader
+    for authorizer in (None, SwarmKey.from_text(wrong).authorizer()):
+        validator = RSASignatureValidator(RSAPrivateKey())
+        stranger = hivemind.DHT(
+            initial_peers=[swarm.maddr],
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            record_validators=[validator],
+            authorizer=authorizer,
+            ensure_bootstrap_success=False,
+            start=True,
+        )
+        try:
+            assert records.fetch_nodes(stranger, swarm.run_id) == {}
+            assert records.fetch_config(stranger, swarm.run_id) is None
+            info = records.NodeInfo(peer_id=stranger.peer_id.to_base58(), shards=[0], state="training")
+            records.publish_node(stranger, swarm.run_id, info, validator, expiration_s=300)
+            assert info.peer_id not in swarm.nodes()
+        finally:
+            stranger.shutdown()
+
+    # a stranger who learned a node's address, peer id and group names is refused by its averager
+    node = _by_name(swarm)["a"]
+    prefix = f"{swarm.run_id}_{swarm.cfg.hash()[:16]}_shared"
+    codes = asyncio.run(_join_requests(node, prefix, [wrong, key]))
+    assert codes[0] == averaging_pb2.PROTOCOL_VIOLATION
+    assert codes[1] != averaging_pb2.PROTOCOL_VIOLATION, "with the key, the same request passes the key check"
+
+    at = max(_round(swarm, n) for n in ("a", "b"))
+    swarm.wait_for(lambda: min(_round(swarm, n) for n in ("a", "b")) >= at + 1, 240, "another round")
+    for name in ("a", "b"):
+        swarm.procs[name].send_signal(signal.SIGTERM)
+        assert swarm.wait_exit(name, 120) == 0, swarm.log(name)[-3000:]
+        assert max(r["shared_group"] for r in swarm.summary(name)["rounds"]) == 2
+
+
+async def _join_requests(node: records.NodeInfo, prefix: str, keys: list[str]) -> list[int]:
+    """Codes of one `rpc_join_group` per key, sent straight to `node`'s averager from an outside peer."""
+    p2p = await P2P.create(initial_peers=node.maddrs)
+    try:
+        codes = []
+        for text in keys:
+            tag = SwarmKey.from_text(text).join_tag(prefix, p2p.peer_id.to_bytes())
+            gather = MSGPackSerializer.dumps([None, 0, MSGPackSerializer.dumps([(0, 0, 0), tag])])
+            request = averaging_pb2.JoinRequest(
+                schema_hash=b"any", expiration=get_dht_time() + 10, gather=gather, group_key=f"{prefix}.0b"
+            )
+            stub = RobustAverager.get_stub(p2p, PeerID.from_base58(node.peer_id), namespace=prefix)
+            stream = await stub.rpc_join_group(request)
+            codes.append((await anext(stream)).code)
+        return codes
+    finally:
+        await p2p.shutdown()
