@@ -27,6 +27,13 @@ NODE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": 
 T = TypeVar("T")
 
 
+def die_with_parent() -> None:
+    """preexec_fn for test daemons: the kernel kills them if the test process dies, so none outlive a run."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -86,7 +93,11 @@ class Swarm:
         ]  # fmt: skip
         with open(self.tmp / f"{name}.log", "w") as log:
             proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, **NODE_ENV)
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=dict(os.environ, **NODE_ENV),
+                preexec_fn=die_with_parent,
             )
         self.procs[name] = proc
         return proc
