@@ -71,6 +71,7 @@ from hivemind.averaging.partition import (
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
 from spes_node.swarm_key import SwarmKey
@@ -346,6 +347,21 @@ class GroupOutcome:
     """Peer id (base58) -> why it was rejected in this step."""
 
 
+def open_gathered(entry: bytes, peer_id: bytes, prefix: str, swarm_key: SwarmKey | None) -> tuple[int, Any]:
+    """(mode, gather) of a member's gathered entry ([bandwidth, mode, [gather, tag]] as hivemind and
+    `RobustAverager.step` pack it); ValueError if it is malformed or, with a swarm key, lacks a valid tag."""
+    try:
+        _bandwidth, mode, user_bytes = MSGPackSerializer.loads(entry)
+        payload, tag = MSGPackSerializer.loads(user_bytes)
+    except Exception as e:
+        raise ValueError(f"malformed gathered data ({type(e).__name__})") from None
+    if mode not in _MODES:
+        raise ValueError(f"unknown averaging mode {mode!r}")
+    if swarm_key is not None and not swarm_key.check_join_tag(prefix, peer_id, tag):
+        raise ValueError("no valid swarm key tag")
+    return mode, payload
+
+
 class RobustAverager(DecentralizedAverager):
     """A DecentralizedAverager that checks its groupmates (see the module docstring) and refuses banned peers.
 
@@ -382,18 +398,7 @@ class RobustAverager(DecentralizedAverager):
         self._banned = frozenset(PeerID.from_base58(peer) for peer in peers)
 
     def _open(self, peer: PeerID, entry: bytes) -> tuple[int, Any]:
-        """(mode, gather) of a member's gathered entry; ValueError if it is malformed or lacks a valid tag."""
-        try:
-            _bandwidth, mode, user_bytes = self.serializer.loads(entry)
-            payload, tag = self.serializer.loads(user_bytes)
-        except Exception as e:
-            raise ValueError(f"malformed gathered data ({type(e).__name__})") from None
-        if mode not in _MODES:
-            raise ValueError(f"unknown averaging mode {mode!r}")
-        key = self.swarm_key
-        if key is not None and not key.check_join_tag(self.prefix, peer.to_bytes(), tag):
-            raise ValueError("no valid swarm key tag")
-        return mode, payload
+        return open_gathered(entry, peer.to_bytes(), self.prefix, self.swarm_key)
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext

@@ -38,34 +38,35 @@ def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def unavailable() -> str | None:
-    """Why namespace tests cannot run here (root, iproute2 and working `ip netns` are needed), or None."""
+    """Why namespace tests cannot run here, or None: needs root, iproute2, and a kernel that lets us build what
+    the tests build (a namespace, a bridge, veth pairs, tbf and htb qdiscs, a u32 filter), tried in a throwaway
+    namespace."""
     if os.geteuid() != 0:
         return "network namespaces need root"
-    for tool in ("ip", "tc"):
+    for tool in ("ip", "tc", "ss"):
         if shutil.which(tool) is None:
             return f"`{tool}` (iproute2) is not installed"
     probe = f"spes-probe-{os.getpid()}"
+    made = run("ip", "netns", "add", probe, check=False)
+    if made.returncode != 0:
+        return f"`ip netns add` does not work here: {made.stderr.strip()}"
+    ns = ("ip", "netns", "exec", probe)
+    steps = [
+        (*ns, "ip", "link", "add", "pbr", "type", "bridge"),
+        (*ns, "ip", "link", "add", "pa", "type", "veth", "peer", "name", "pb"),
+        (*ns, "tc", "qdisc", "add", "dev", "pa", "root", "tbf", "rate", "1mbit", "burst", TBF_BURST,
+         "latency", TBF_LATENCY),
+        (*ns, "tc", "qdisc", "add", "dev", "pb", "root", "handle", "1:", "htb", "default", "10"),
+        (*ns, "tc", "class", "add", "dev", "pb", "parent", "1:", "classid", "1:20", "htb", "rate", "1mbit"),
+        (*ns, "tc", "qdisc", "add", "dev", "pb", "parent", "1:20", "handle", "20:", "pfifo", "limit", "0"),
+        (*ns, "tc", "filter", "add", "dev", "pb", "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match",
+         "u8", "0x12", "0x12", "at", "33", "flowid", "1:20"),
+    ]  # fmt: skip
     try:
-        made = run("ip", "netns", "add", probe, check=False)
-        if made.returncode != 0:
-            return f"`ip netns add` does not work here: {made.stderr.strip()}"
-        veth = run(
-            "ip",
-            "link",
-            "add",
-            f"spp{os.getpid() % 100000}",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "sppeer",
-            check=False,
-        )
-        run("ip", "link", "del", f"spp{os.getpid() % 100000}", check=False)
-        if veth.returncode != 0:
-            return f"cannot create veth pairs: {veth.stderr.strip()}"
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"`ip netns` does not work here: {e}"
+        for step in steps:
+            done = run(*step, check=False)
+            if done.returncode != 0:
+                return f"`{' '.join(step[4:])}` fails here: {done.stderr.strip()}"
     finally:
         run("ip", "netns", "del", probe, check=False)
     return None

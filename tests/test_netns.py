@@ -68,7 +68,7 @@ def _round(swarm: HostSwarm, name: str) -> int:
 
 
 def test_kill_mid_allreduce_then_a_new_node_takes_the_weak_shard(network, net_swarm, tmp_path):
-    swarm = net_swarm(num_shards=2, heartbeat_s=2.0)
+    swarm = net_swarm(num_shards=2, heartbeat_s=2.0, averaging_timeout=15.0)
     names = [f"n{i}" for i in range(4)]
     hosts = {name: network.add_host(name, rate_mbit=RATE_MBIT) for name in [*names, "joiner"]}
     for name in names:
