@@ -314,7 +314,7 @@ def test_watch_prints_fresh_summaries_until_interrupted(live):
         assert second["dht_time"] > first["dht_time"]
         assert len(second["nodes"]) == 3
         watch.send_signal(signal.SIGINT)
-        assert watch.wait(30) == 0, watch.stderr.read()
+        assert watch.wait(90) == 0, watch.stderr.read()
     finally:
         watch.kill()
         watch.wait()
