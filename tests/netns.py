@@ -24,7 +24,7 @@ from pathlib import Path
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
-from swarm_utils import FAST, NODE_ENV, Swarm
+from swarm_utils import FAST, NODE_ENV, Swarm, die_with_parent
 
 from spes_node.config import load_preset
 from spes_node.swarm_key import SwarmKey
@@ -269,6 +269,7 @@ class HostSwarm(Swarm):
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **NODE_ENV, **(env or {})},
                 start_new_session=True,
+                preexec_fn=die_with_parent,
             )
         self.procs[name] = proc
         return proc
