@@ -116,7 +116,11 @@ def test_kill_mid_allreduce_then_a_new_node_takes_the_weak_shard(network, net_sw
     assert joiner.shards == [weak]
     swarm.wait_for(lambda: _round(swarm, "joiner") > joiner.round, 180, "the joiner to finish a round")
     seconds_to_train = time.monotonic() - joined_at
-    assert replica_counts(swarm.nodes(), swarm.cfg.swarm.num_shards) == [2, 2]
+    swarm.wait_for(
+        lambda: replica_counts(swarm.nodes(), swarm.cfg.swarm.num_shards) == [2, 2],
+        30,
+        "two replicas per shard",
+    )
 
     for name in [*survivors, "joiner"]:
         swarm.procs[name].send_signal(signal.SIGTERM)
