@@ -11,7 +11,9 @@ import logging
 import math
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -366,12 +368,16 @@ def run_status(
     if plot_path and not Path(plot_path).resolve().parent.is_dir():
         raise ValueError(f"--plot: directory {Path(plot_path).resolve().parent} does not exist")
     started = time.monotonic()
+    stop = threading.Event()
+    if watch:
+        # Ctrl-C only sets a flag: a KeyboardInterrupt raised inside a DHT call could leave the DHT unable to shut down
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
     dht = open_dht(peers, timeout)
     try:
         summary = find_swarm(dht, run_id, max(POLL_S, timeout - (time.monotonic() - started)))
         _show(summary, as_json, watch, plot_path)
-        while watch:
-            time.sleep(interval)
+        while watch and not stop.wait(interval):
             try:
                 summary = fetch_summary(dht, run_id)
             except SwarmNotFound as e:
