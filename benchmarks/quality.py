@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -137,7 +136,7 @@ def train_centralized(cfg: SpesConfig, settings: dict) -> tuple:
     from spes_node.tokenizer import load_tokenizer
     from spes_node.trainer import Trainer
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(1)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     n = settings["num_nodes"]
     batchers = [
@@ -176,7 +175,7 @@ def _curve(nodes: list[NodeRun], cfg: SpesConfig) -> dict:
     }
 
 
-def plot(curves: dict[str, dict], final: dict[str, float], path: Path) -> None:
+def plot(curves: dict[str, dict], final: dict[str, float], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -192,7 +191,7 @@ def plot(curves: dict[str, dict], final: dict[str, float], path: Path) -> None:
         )
     ax.set_xlabel("total training tokens (all nodes)")
     ax.set_ylabel("training cross-entropy")
-    ax.set_title("tiny preset: SPES vs DiLoCo stand-in vs centralized")
+    ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -248,7 +247,12 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
         "validation": {"batches": len(val), "tokens": sum(b[:, 1:].numel() for b in val)},
     }
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    plot(curves, {name: r["val_loss"] for name, r in runs.items()}, RESULTS_DIR / "loss_curves.png")
+    plot(
+        curves,
+        {name: r["val_loss"] for name, r in runs.items()},
+        RESULTS_DIR / "loss_curves.png",
+        f"{settings['preset']} preset, {settings['num_nodes']} nodes: SPES vs DiLoCo stand-in vs centralized",
+    )
     emit(
         table(
             ["run", "val loss", "ratio vs centralized", "own-view val loss", "total tokens"],

@@ -122,6 +122,7 @@ def gather(results: dict[str, dict], errors: dict[str, str], seconds: float, loa
             for rate, r in results.get("link_utilisation", {}).get("by_rate", {}).items()
         },
         "throughput_ratio_overlap": get("throughput", "throughput_ratio_overlap"),
+        "throughput_raw_tokens_per_s_ratio": get("throughput", "raw_tokens_per_s_ratio"),
         "val_loss_ratios": get("quality", "ratios"),
         "scale": scale_detail,
         "gpu_step": results.get("gpu_step"),

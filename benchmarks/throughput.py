@@ -1,11 +1,16 @@
 """throughput_ratio: a node's training tokens/s over a run including its syncs, divided by the same loop without syncs.
 
-The same swarm (same model, nodes, shards, data) runs once with syncing and once with syncing turned off: the node
-loop, its per-round checkpoints and its round count stay, only the round's work is skipped (see node_runner). The
-runs follow each other on the same machine, so they see the same number of node processes; the load from other work
-on the machine is recorded for each. A node's rate counts the tokens of every step after its first, over the time
-from the end of its first step to the end of its last round. With `swarm.overlap`, a round's all-reduce runs while
-the next round's steps go on; that variant is measured too.
+The same swarm (same model, nodes, shards, data) runs with syncing, with overlapped syncing (`swarm.overlap`: a
+round's all-reduce runs while the next round's steps go on) and with syncing turned off: the node loop, its
+per-round checkpoints and its round count stay, only the round's work is skipped (see node_runner).
+
+On a machine that others use too, the runs follow each other under different loads: raw tokens/s of two runs are
+not comparable (their ratio is reported, with each run's load, but is not the headline). The headline compares each
+run with itself: the share of a node's wall time spent inside training steps, over whole cycles of one sync plus H
+steps (see `node_rate`), with syncing divided by without. A node's steps and its syncs run under the same load, so
+this is the node's tokens/s divided by what the same loop would do at that load without syncs. With overlap, the
+background all-reduce also slows the steps on a CPU (it competes for the same cores, as it would not with a GPU);
+that slowdown is not in the share-of-time ratio, and the mean step time of each run is reported beside it.
 """
 
 from __future__ import annotations
@@ -31,19 +36,31 @@ SETTINGS = {
 }
 
 
-def node_rate(node: NodeRun) -> dict:
-    """Tokens/s of one node from the end of its first step to the end of its last round."""
+def node_rate(node: NodeRun, sync_steps: int) -> dict:
+    """Tokens/s of one node in steady state, and over the whole run.
+
+    Steady state: from the end of the last step of round 1 to the end of the last step of the last round, which
+    holds rounds-1 whole cycles of one sync plus H steps (an overlapped sync runs inside the next steps). The
+    first round (warm-up) and the last sync (never overlapped: the node leaves after it) are outside.
+    Whole run: from the end of the first step to the end of the last round.
+    """
     steps, rounds = node.timeline["steps"], node.timeline["rounds"]
-    if len(steps) < 2 or not rounds:
-        raise RuntimeError(f"{node.name}: too few steps or rounds to measure")
-    start, end = steps[0][0], max(rounds[-1]["end"], steps[-1][0])
-    tokens = sum(s[1] for s in steps[1:])
-    compute = sum(s[2] for s in steps[1:])
+    if len(rounds) < 2 or len(steps) < 2 * sync_steps:
+        raise RuntimeError(
+            f"{node.name}: needs 2 rounds of {sync_steps} steps, has {len(rounds)} and {len(steps)}"
+        )
+    start, end = steps[sync_steps - 1][0], steps[-1][0]
+    tokens = sum(s[1] for s in steps[sync_steps:])
+    run_start, run_end = steps[0][0], max(rounds[-1]["end"], steps[-1][0])
+    run_tokens = sum(s[1] for s in steps[1:])
+    compute = sum(s[2] for s in steps[sync_steps:])
     return {
-        "tokens": tokens,
-        "seconds": end - start,
         "tokens_per_s": tokens / (end - start),
-        "step_seconds_total": compute,
+        "compute_share": compute / (end - start),
+        "steady_seconds": end - start,
+        "steady_tokens": tokens,
+        "whole_run_tokens_per_s": run_tokens / (run_end - run_start),
+        "step_seconds_mean": compute / len(steps[sync_steps:]),
         "round_seconds": [r["end"] - r["start"] for r in rounds],
     }
 
@@ -64,9 +81,12 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
             nodes = BenchSwarm(workdir / name, cfg, settings["num_nodes"], run_id=f"tp_{name}").run(
                 settings["rounds"], timeout=settings["timeout_s"], no_sync=name == "no_sync"
             )
-        rates = [node_rate(n) for n in nodes]
+        rates = [node_rate(n, cfg.swarm.sync_steps) for n in nodes]
         variants[name] = {
             "tokens_per_s_per_node": sum(r["tokens_per_s"] for r in rates) / len(rates),
+            "compute_share": sum(r["compute_share"] for r in rates) / len(rates),
+            "step_seconds_mean": sum(r["step_seconds_mean"] for r in rates) / len(rates),
+            "whole_run_tokens_per_s_per_node": sum(r["whole_run_tokens_per_s"] for r in rates) / len(rates),
             "nodes": rates,
             "load": load.summary(),
             "failed_allreduces": sum(
@@ -74,22 +94,42 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
             ),
             "config": cfg.to_dict(),
         }
+    share = variants["no_sync"]["compute_share"]
     base = variants["no_sync"]["tokens_per_s_per_node"]
+    whole_base = variants["no_sync"]["whole_run_tokens_per_s_per_node"]
     results = {
-        "throughput_ratio": variants["sync"]["tokens_per_s_per_node"] / base,
+        "throughput_ratio": variants["sync"]["compute_share"] / share,
         "throughput_ratio_overlap": (
+            variants["overlap"]["compute_share"] / share if "overlap" in variants else None
+        ),
+        "raw_tokens_per_s_ratio": variants["sync"]["tokens_per_s_per_node"] / base,
+        "raw_tokens_per_s_ratio_overlap": (
             variants["overlap"]["tokens_per_s_per_node"] / base if "overlap" in variants else None
         ),
+        "raw_whole_run_ratio": variants["sync"]["whole_run_tokens_per_s_per_node"] / whole_base,
+        "method": "headline: share of wall time in training steps (steady state), with sync / without sync",
         "variants": variants,
     }
     emit(
         table(
-            ["variant", "tokens/s per node", "ratio", "mean round s", "load avg"],
+            [
+                "variant",
+                "time in steps",
+                "ratio",
+                "tokens/s per node",
+                "raw ratio",
+                "step s",
+                "round s",
+                "load",
+            ],
             [
                 [
                     name,
+                    v["compute_share"],
+                    v["compute_share"] / share,
                     v["tokens_per_s_per_node"],
                     v["tokens_per_s_per_node"] / base,
+                    v["step_seconds_mean"],
                     sum(sum(r["round_seconds"]) / len(r["round_seconds"]) for r in v["nodes"])
                     / len(v["nodes"]),
                     v["load"]["loadavg_1min_mean"],
