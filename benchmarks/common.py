@@ -49,7 +49,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "hivemind": hivemind.__version__,
-        "platform": platform.platform(),
+        "os": platform.system(),
         "git_commit": _git("rev-parse", "HEAD"),
         "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
     }
