@@ -59,18 +59,18 @@ class SpesRound:
             self.p2p, node.opts.run_id, node.config_hash, wire_compression(swarm.wire_compression)
         )
         self.loop.run(self.server.start())
-        prefix = f"{node.opts.run_id}_{node.config_hash[:16]}"
-        self.shared_avg = self._averager(f"{prefix}_shared", self._shared_cpu())
-        self.shard_avg = self._averager(f"{prefix}_shard{node.shard}", self._shard_cpu(node.shard))
+        self.shared_avg = self._averager("shared", self._shared_cpu())
+        self.shard_avg = self._averager(f"shard{node.shard}", self._shard_cpu(node.shard))
         self.shared_outer = self._outer(shared_parameters(node.model))
         self.shard_outer = self._outer(shard_tensors(node.model, node.shard))
         self.publish_snapshots()
 
-    def _averager(self, prefix: str, tensors: dict[str, torch.Tensor]) -> GroupAverager:
+    def _averager(self, group: str, tensors: dict[str, torch.Tensor]) -> GroupAverager:
+        """The averager of one group; its key carries the run id and the config hash."""
         swarm = self.cfg.swarm
         return GroupAverager(
             self.node.dht,
-            prefix,
+            f"{self.node.opts.run_id}_{self.node.config_hash[:16]}_{group}",
             tensors,
             compression=swarm.wire_compression,
             matchmaking_time=swarm.matchmaking_time,
@@ -90,10 +90,11 @@ class SpesRound:
         return outer
 
     def _shared_cpu(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().float().cpu() for name, p in shared_parameters(self.node.model).items()}
+        """An fp32 CPU copy of the shared parameters (never a view of the live weights)."""
+        return _cpu_copy(shared_parameters(self.node.model))
 
     def _shard_cpu(self, shard: int) -> dict[str, torch.Tensor]:
-        return {name: t.detach().float().cpu() for name, t in shard_tensors(self.node.model, shard).items()}
+        return _cpu_copy(shard_tensors(self.node.model, shard))
 
     def publish_snapshots(self, premerge: bool = False) -> None:
         """Serve the state as it is now: shared parameters and own shard (copies), frozen copies of the rest.
@@ -105,7 +106,7 @@ class SpesRound:
         parts = {"shared": self._shared_cpu()}
         for shard in range(self.cfg.swarm.num_shards):
             own = shard == node.shard
-            tensors = {k: v.clone() for k, v in self._shard_cpu(shard).items()}
+            tensors = self._shard_cpu(shard)
             parts[f"{'shard' if own else 'copy'}:{shard}"] = tensors
             self.loop.run(self.server.withdraw(f"{'copy' if own else 'shard'}:{shard}"))
             if own and premerge:
@@ -406,8 +407,7 @@ class SpesRound:
             load_shard_tensors(node.model, new, download.tensors)
         node.shard = new
         self.shard_avg.shutdown()
-        prefix = f"{node.opts.run_id}_{node.config_hash[:16]}"
-        self.shard_avg = self._averager(f"{prefix}_shard{new}", self._shard_cpu(new))
+        self.shard_avg = self._averager(f"shard{new}", self._shard_cpu(new))
         self.shard_outer = self._outer(shard_tensors(node.model, new))
         nodes.pop(node.peer_id, None)
         part_index, num_parts = data_part(
@@ -429,6 +429,10 @@ class SpesRound:
         except Exception as e:
             logger.debug(f"p2p shutdown: {e}")
         self.loop.stop()
+
+
+def _cpu_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t.detach().to("cpu", torch.float32, copy=True) for name, t in tensors.items()}
 
 
 def _clone(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
