@@ -9,12 +9,22 @@ import threading
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 
+from spes_node import relay
 from spes_node.identity import load_or_create_identity
 
 logger = logging.getLogger(__name__)
 
 
-def start_bootstrap(host_maddrs, announce_maddrs=(), identity: str | None = None, peers=()) -> hivemind.DHT:
+def start_bootstrap(
+    host_maddrs,
+    announce_maddrs=(),
+    identity: str | None = None,
+    peers=(),
+    reachability: str = "public",
+    swarm_key=None,
+) -> hivemind.DHT:
+    """A DHT peer that stores records and, with public reachability, serves as a circuit relay for NAT'd nodes
+    (see `spes_node.relay`); with `swarm_key` (a `SwarmKey`) it talks only to peers that hold the key."""
     if identity:
         load_or_create_identity(identity)
     return hivemind.DHT(
@@ -23,12 +33,16 @@ def start_bootstrap(host_maddrs, announce_maddrs=(), identity: str | None = None
         announce_maddrs=list(announce_maddrs) or None,
         identity_path=identity,
         record_validators=[RSASignatureValidator()],
+        authorizer=swarm_key.authorizer() if swarm_key else None,
         start=True,
+        **relay.dht_kwargs((), reachability),
     )
 
 
-def run_bootstrap(host_maddrs, announce_maddrs, identity, peers) -> None:
-    dht = start_bootstrap(host_maddrs, announce_maddrs, identity, peers)
+def run_bootstrap(
+    host_maddrs, announce_maddrs, identity, peers, reachability="public", swarm_key=None
+) -> None:
+    dht = start_bootstrap(host_maddrs, announce_maddrs, identity, peers, reachability, swarm_key)
     for maddr in dht.get_visible_maddrs():
         print(maddr, flush=True)
     logger.info("bootstrap DHT peer running; Ctrl-C to stop")

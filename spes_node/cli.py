@@ -107,6 +107,18 @@ def main() -> None:
     is_flag=True,
     help="No inbound connections (behind NAT): train and average through others.",
 )
+@option(
+    "--relay",
+    "relays",
+    multiple=True,
+    help="Multiaddr of a peer to reserve a circuit relay slot on, so that others can download this node's "
+    "state although it takes no inbound connections (repeatable; see --auto-relay).",
+)
+@option(
+    "--auto-relay",
+    is_flag=True,
+    help="Use the --peers as relays (what a volunteer behind NAT wants, with --client-mode).",
+)
 @option("--swarm-key", help="Shared secret of a private swarm (prefer --swarm-key-file: argv is visible).")
 @option("--swarm-key-file", type=click.Path(dir_okay=False), help="File holding the private swarm's key.")
 @user_errors
@@ -128,6 +140,8 @@ def join(
     init_from,
     wait_peers,
     client_mode,
+    relays,
+    auto_relay,
     swarm_key,
     swarm_key_file,
 ) -> None:
@@ -148,6 +162,12 @@ def join(
         raise ValueError(f"--shard: {shard} is out of range [0, {cfg.swarm.num_shards})")
     if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
         raise ValueError(f"--device: expected auto, cpu or cuda, got '{device}'")
+    relays = list(relays) or (list(peers) if auto_relay else [])
+    if (relays or auto_relay) and not peers:
+        raise ValueError("--relay/--auto-relay: relays are for nodes that join a swarm; pass --peers too")
+    for maddr in relays:
+        if "/p2p/" not in maddr:
+            raise ValueError(f"--relay: {maddr} does not end with the relay's peer id (/p2p/...)")
     if data:
         from spes_node.data import check_data_spec
 
@@ -171,6 +191,7 @@ def join(
         metrics_port=metrics_port,
         public_name=public_name,
         client_mode=client_mode,
+        relays=relays,
         wait_peers=wait_peers,
         init_from=Path(init_from) if init_from else None,
         swarm_key=load_swarm_key(swarm_key, swarm_key_file),
@@ -210,14 +231,32 @@ def simulate(nodes, preset, config, max_rounds, workdir, data) -> None:
     help="Identity key file; created if missing. A fixed one gives a fixed multiaddr.",
 )
 @option("--peers", multiple=True, help="Other bootstrap peers.")
+@option(
+    "--reachability",
+    type=click.Choice(["public", "auto"]),
+    default="public",
+    show_default=True,
+    help="public: serve as a circuit relay for NAT'd nodes from the start; auto: only once AutoNAT confirms "
+    "that peers can reach this one.",
+)
+@option("--swarm-key", help="Shared secret of a private swarm (prefer --swarm-key-file: argv is visible).")
+@option("--swarm-key-file", type=click.Path(dir_okay=False), help="File holding the private swarm's key.")
 @user_errors
-def dht(host_maddrs, announce_maddrs, identity, peers) -> None:
-    """A bare bootstrap DHT peer (for docker compose and public bootstrap nodes)."""
+def dht(host_maddrs, announce_maddrs, identity, peers, reachability, swarm_key, swarm_key_file) -> None:
+    """A bare bootstrap DHT peer (for docker compose and public bootstrap nodes); it relays for NAT'd nodes."""
     from spes_node.bootstrap import run_bootstrap
     from spes_node.logs import setup_logging
+    from spes_node.swarm_key import load_swarm_key
 
     setup_logging()
-    run_bootstrap(list(host_maddrs) or ["/ip4/0.0.0.0/tcp/0"], list(announce_maddrs), identity, list(peers))
+    run_bootstrap(
+        list(host_maddrs) or ["/ip4/0.0.0.0/tcp/0"],
+        list(announce_maddrs),
+        identity,
+        list(peers),
+        reachability,
+        load_swarm_key(swarm_key, swarm_key_file),
+    )
 
 
 from spes_node.status import status  # noqa: E402

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import click
 
+from spes_node import relay
+
 if TYPE_CHECKING:
     import torch
 
@@ -137,17 +139,17 @@ def plan_downloads(
 ) -> dict[str, list[tuple[str, str]]]:
     """For every part of the model ("shared", "shard:<j>"), the (peer, part to request) to try, best first.
 
-    Only nodes that serve state (training or averaging, not in client mode) count; the most advanced come
+    Only nodes that serve state (training or averaging, reachable directly or through a relay) count; the most advanced come
     first. A shard comes from its holders; with `allow_copies`, a shard without a live holder comes from the
     frozen copy that every node keeps ("copy:<j>"), which is as old as that node's last refresh.
     """
     servers = sorted(
-        (n for n in nodes.values() if n.state in SERVING_STATES and not n.client_mode),
+        (n for n in nodes.values() if n.state in SERVING_STATES and relay.serves_state(n)),
         key=lambda n: (-n.round, -n.step, n.peer_id),
     )
     if not servers:
         raise ValueError(
-            "no live node of the swarm serves its state (all are joining, leaving or client-mode)"
+            "no live node of the swarm serves its state (all are joining, leaving or unreachable client-mode)"
         )
     plan = {"shared": [(n.peer_id, "shared") for n in servers]}
     orphans = []
@@ -202,9 +204,8 @@ def fetch_swarm_weights(
         if record is None:
             raise ValueError(f"--run-id: no swarm '{run_id}' found at the given peers")
         cfg = SpesConfig.from_json(record.config_json)
-        plan = plan_downloads(
-            records.fetch_nodes(dht, run_id, cfg.swarm.num_shards), cfg.swarm.num_shards, allow_copies
-        )
+        nodes = records.fetch_nodes(dht, run_id, cfg.swarm.num_shards)
+        plan = plan_downloads(nodes, cfg.swarm.num_shards, allow_copies)
         with torch.device("meta"):
             skeleton = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
         expected = {"shared": {k: v.shape for k, v in shared_parameters(skeleton).items()}}
@@ -220,7 +221,7 @@ def fetch_swarm_weights(
                     got = loop.run(
                         download_part(
                             p2p, PeerID.from_base58(peer), run_id, record.config_hash, request, expected[part],
-                            timeout=timeout,
+                            timeout=timeout, circuits=relay.circuits_of(peer, nodes[peer].maddrs),
                         )
                     )  # fmt: skip
                 except TransferError as e:

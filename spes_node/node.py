@@ -18,7 +18,7 @@ import hivemind
 import torch
 from hivemind.dht.crypto import RSASignatureValidator
 
-from spes_node import __version__, records
+from spes_node import __version__, records, relay
 from spes_node.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
 from spes_node.config import SpesConfig
 from spes_node.data import TokenBatcher, validation_batches
@@ -60,6 +60,8 @@ class NodeOptions:
     metrics_port: int | None = None
     public_name: str = ""
     client_mode: bool = False
+    relays: list[str] = field(default_factory=list)
+    """Peers to hold circuit relay reservations on (`spes_node.relay`)."""
     join_timeout: float = 30.0
     wait_peers: int = 1
     init_from: Path | None = None
@@ -268,6 +270,7 @@ class Node:
                 authorizer=opts.swarm_key.authorizer() if opts.swarm_key else None,
                 start=True,
                 startup_timeout=opts.join_timeout,
+                **relay.dht_kwargs(opts.relays),
             )
         except Exception as e:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -280,6 +283,10 @@ class Node:
             self.visible_maddrs = maddrs
         else:
             self.visible_maddrs = []
+        if opts.relays:
+            circuits = relay.circuit_maddrs(opts.relays, dht.peer_id.to_base58())
+            logger.info(f"reachable through {len(circuits)} relay(s): {', '.join(circuits)}")
+            self.visible_maddrs = [*circuits, *self.visible_maddrs][: records.MAX_MADDRS]
         return dht
 
     def _agree_on_config(self) -> SpesConfig:

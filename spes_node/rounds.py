@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from hivemind.p2p import PeerID
 
-from spes_node import records
+from spes_node import records, relay
 from spes_node.aio import LoopThread
 from spes_node.averaging import GroupAverager, GroupResult, NesterovOuter, PlainAverage, wire_compression
 from spes_node.merge import merge_alpha, merge_layer, merge_step_due
@@ -49,6 +49,8 @@ class SpesRound:
         self.last_report: dict = {}
         self._inflight: dict | None = None
         self.bans = BanList()
+        self._circuits: dict[str, list[str]] = {}
+        """Relay addresses of peers that take no direct connections, from their last records."""
 
     # ------------------------------------------------------------------ setup
 
@@ -243,12 +245,13 @@ class SpesRound:
 
     def _holders(self, nodes: dict, shard: int, kind: str = "shard") -> list[str]:
         """Peers to download a shard from, the most advanced first."""
+        self._circuits.update({peer: relay.circuits_of(peer, n.maddrs) for peer, n in nodes.items()})
         candidates = [
             (n.round, random.random(), peer)
             for peer, n in nodes.items()
             if peer != self.node.peer_id
             and n.state in SERVING_STATES
-            and not n.client_mode
+            and relay.serves_state(n)
             and peer not in self.bans
             and (kind == "copy" or shard in n.shards)
         ]
@@ -273,6 +276,7 @@ class SpesRound:
                     self._expected(part),
                     min_round=min_round,
                     timeout=self.cfg.swarm.averaging_timeout,
+                    circuits=self._circuits.get(peer, ()),
                 )
             except TransferError as e:
                 last_error = e

@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +21,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
+from spes_node import relay
 from spes_node.proto.state_pb2 import StateRequest
 
 logger = logging.getLogger(__name__)
@@ -121,8 +122,12 @@ async def download_part(
     expected: dict[str, torch.Size],
     min_round: int = 0,
     timeout: float = 60.0,
+    circuits: Sequence[str] = (),
 ) -> Download:
-    """Download one part from one peer and validate it against the expected names and shapes."""
+    """Download one part from one peer and validate it against the expected names and shapes.
+
+    `circuits`: relay addresses of a peer that takes no direct connections (`relay.circuits_of` its record).
+    """
     start = time.perf_counter()
     request = StateRequest(part=part, config_hash=config_hash, min_round=min_round)
     metadata: dict | None = None
@@ -150,8 +155,12 @@ async def download_part(
         if parts:
             tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
 
+    async def dial_and_receive() -> None:
+        await relay.dial(p2p, peer, circuits)
+        await receive()
+
     try:
-        await asyncio.wait_for(receive(), timeout)
+        await asyncio.wait_for(dial_and_receive(), timeout)
     except TransferError:
         raise
     except Exception as e:

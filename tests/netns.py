@@ -22,10 +22,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import hivemind
-from hivemind.dht.crypto import RSASignatureValidator
 from swarm_utils import FAST, NODE_ENV, Swarm, die_with_parent
 
+from spes_node.bootstrap import start_bootstrap
 from spes_node.config import load_preset
 from spes_node.swarm_key import SwarmKey
 
@@ -232,12 +231,8 @@ class HostSwarm(Swarm):
         if self.key_file is not None:
             self.key_file.write_text(swarm_key)
             self.key_file.chmod(0o600)
-        self.bootstrap = hivemind.DHT(
-            host_maddrs=[bootstrap_maddr],
-            record_validators=[RSASignatureValidator()],
-            authorizer=self.key.authorizer() if self.key else None,
-            start=True,
-        )
+        # as `spes-node dht` runs it: public reachability, so it is a circuit relay for NAT'd nodes from the start
+        self.bootstrap = start_bootstrap([bootstrap_maddr], swarm_key=self.key)
         self.maddr = str(self.bootstrap.get_visible_maddrs()[0])
         self.procs: dict[str, subprocess.Popen] = {}
         self.expected_deaths: set[str] = set()

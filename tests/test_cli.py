@@ -132,6 +132,17 @@ def test_unreadable_data_path(cli, tmp_path):
     _assert_one_line_error(cli("join", "--preset", "tiny", "--data", str(tmp_path / "none.jsonl")), "data")
 
 
+def test_relay_without_peers(cli):
+    _assert_one_line_error(cli("join", "--preset", "tiny", "--auto-relay"), "--auto-relay", "--peers")
+
+
+def test_relay_without_peer_id(cli):
+    peer = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWCnLmjc8oo1X4AgZxffePQrQuqwX7FTqfg3QTq4mSn26q"
+    _assert_one_line_error(
+        cli("join", "--preset", "tiny", "--peers", peer, "--relay", "/ip4/127.0.0.1/tcp/2"), "--relay", "/p2p/"
+    )
+
+
 def test_unknown_device(cli):
     _assert_one_line_error(cli("join", "--preset", "tiny", "--device", "gpu"), "device")
 

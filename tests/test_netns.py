@@ -6,6 +6,7 @@ They need root and iproute2 (CI runs as root); elsewhere they skip with the reas
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -14,8 +15,9 @@ from pathlib import Path
 
 import pytest
 from netns import HostSwarm, Network, unavailable
-from swarm_utils import wait_for
+from swarm_utils import NODE_ENV, wait_for
 
+from spes_node.export import PROVENANCE_FILE
 from spes_node.shards import replica_counts
 
 REASON = unavailable()
@@ -173,6 +175,91 @@ def test_client_without_inbound_connectivity_trains_and_averages(network, net_sw
     last = summary["rounds"][-1]
     assert last["shared_group"] == 3 and last["shard_group"] == 2, summary["rounds"]
     assert summary["loss_history"][-1] < summary["first_loss"]
+
+
+def test_client_behind_nat_serves_its_shard_through_a_relay(network, net_swarm, tmp_path):
+    """The only holder of shard 1 takes no inbound connections; with --auto-relay it holds a reservation on
+    the bootstrap peer, and a peer that never met it downloads its shard through the relay (without the
+    circuit address, the same download fails), the public node refreshes its copy from it, and
+    `spes-node export --peers` from a third host gets the whole model."""
+    swarm = net_swarm(num_shards=2, heartbeat_s=2.0)
+    public = network.add_host("public", rate_mbit=RATE_MBIT)
+    nat = network.add_host("nat")
+    network.block_inbound(nat, RATE_MBIT)
+    other = network.add_host("other", rate_mbit=RATE_MBIT)
+
+    swarm.start("public", "--shard", "0", "--wait-peers", "2", host=public)
+    swarm.start("nat", "--shard", "1", "--wait-peers", "2", "--client-mode", "--auto-relay", host=nat)
+    swarm.wait_for(lambda: min(_round(swarm, n) for n in ("public", "nat")) >= 2, 300, "two rounds")
+    record = _by_name(swarm)["nat"]
+    assert record.client_mode and record.shards == [1]
+    circuits = [m for m in record.maddrs if "/p2p-circuit/" in m]
+    assert circuits and all(m.startswith(swarm.maddr) for m in circuits), record.maddrs
+
+    # A/B from a host that has no connection to the NAT'd node: direct fails, through the relay works
+    probe = subprocess.run(
+        other.command(sys.executable, "-c", RELAY_PROBE, swarm.maddr, str(swarm.config_path), record.peer_id,
+                      swarm.run_id, *circuits),
+        capture_output=True, text=True, timeout=180, env={**os.environ, **NODE_ENV},
+    )  # fmt: skip
+    assert probe.returncode == 0, probe.stdout[-2000:] + probe.stderr[-3000:]
+    outcome = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert outcome["direct"].startswith("failed"), outcome
+    assert outcome["relayed"] == "ok" and outcome["tensors"] > 0, outcome
+    print(f"\nshard 1 from the NAT'd node: {outcome}")
+
+    out = tmp_path / "export"
+    done = subprocess.run(
+        other.command(sys.executable, "-m", "spes_node.cli", "export", "--peers", swarm.maddr,
+                      "--run-id", swarm.run_id, "--out", str(out)),
+        capture_output=True, text=True, timeout=300, env={**os.environ, **NODE_ENV},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    sources = json.loads((out / PROVENANCE_FILE).read_text())["parts"]
+    assert sources["shard:1"]["peer_id"] == record.peer_id, sources
+
+    # the public node refreshed its frozen copy of shard 1 from the NAT'd node (its only holder) every round
+    for name in ("public", "nat"):
+        swarm.procs[name].send_signal(signal.SIGTERM)
+    for name in ("public", "nat"):
+        assert swarm.wait_exit(name, 120) == 0, swarm.log(name)[-3000:]
+    assert swarm.summary("public")["bytes_received"].get("refresh", 0) > 0
+    assert "refresh of shard 1 skipped" not in swarm.log("public")
+
+
+RELAY_PROBE = """
+import asyncio, json, sys
+import hivemind, torch
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import PeerID
+from spes_node.config import load_config
+from spes_node.model import MoEForCausalLM
+from spes_node.sharding import shard_tensors
+from spes_node.transfer import TransferError, download_part
+
+boot, config_path, peer, run_id, *circuits = sys.argv[1:]
+cfg = load_config(config_path)
+with torch.device("meta"):
+    expected = {k: v.shape for k, v in shard_tensors(MoEForCausalLM(cfg.model, cfg.swarm.num_shards), 1).items()}
+dht = hivemind.DHT(initial_peers=[boot], client_mode=True, record_validators=[RSASignatureValidator()], start=True)
+outcome = {}
+
+async def main():
+    p2p = await dht.replicate_p2p()
+    try:
+        await download_part(p2p, PeerID.from_base58(peer), run_id, cfg.hash(), "shard:1", expected, timeout=20)
+        outcome["direct"] = "ok"
+    except TransferError as e:
+        outcome["direct"] = f"failed: {e}"[:200]
+    got = await download_part(
+        p2p, PeerID.from_base58(peer), run_id, cfg.hash(), "shard:1", expected, timeout=60, circuits=circuits
+    )
+    outcome.update(relayed="ok", tensors=len(got.tensors), bytes=got.nbytes, seconds=round(got.seconds, 2))
+
+asyncio.run(main())
+print(json.dumps(outcome))
+dht.shutdown()
+"""
 
 
 LISTENER_PORT = 9
