@@ -172,9 +172,10 @@ def plan_downloads(
 
 
 def fetch_swarm_weights(
-    peers: list[str], run_id: str, allow_copies: bool = False, timeout: float = 60.0
+    peers: list[str], run_id: str, allow_copies: bool = False, timeout: float = 60.0, swarm_key=None
 ) -> tuple[SpesConfig, dict[str, torch.Tensor], dict]:
-    """The swarm config and the latest global weights (our names, fp32) assembled from live nodes."""
+    """The swarm config and the latest global weights (our names, fp32) assembled from live nodes; `swarm_key`
+    (a `SwarmKey`) for a private swarm."""
     import hivemind
     import torch
     from hivemind.dht.crypto import RSASignatureValidator
@@ -192,6 +193,7 @@ def fetch_swarm_weights(
             initial_peers=list(peers),
             client_mode=True,
             record_validators=[RSASignatureValidator()],
+            authorizer=swarm_key.authorizer() if swarm_key else None,
             start=True,
             startup_timeout=timeout,
         )
@@ -222,6 +224,7 @@ def fetch_swarm_weights(
                         download_part(
                             p2p, PeerID.from_base58(peer), run_id, record.config_hash, request, expected[part],
                             timeout=timeout, circuits=relay.circuits_of(peer, nodes[peer].maddrs),
+                            swarm_key=swarm_key,
                         )
                     )  # fmt: skip
                 except TransferError as e:
@@ -432,8 +435,14 @@ def export_command() -> click.Command:
     )
     @option("--out", required=True, type=click.Path(file_okay=False), help="Output directory.")
     @option("--force", is_flag=True, help="Replace a non-empty --out.")
+    @option("--swarm-key", help="With --peers: a private swarm's key (prefer --swarm-key-file).")
+    @option(
+        "--swarm-key-file", type=click.Path(dir_okay=False), help="With --peers: file with the swarm's key."
+    )
     @user_errors
-    def export(checkpoint_dir, config, peers, run_id, allow_copies, timeout, out, force) -> None:
+    def export(
+        checkpoint_dir, config, peers, run_id, allow_copies, timeout, out, force, swarm_key, swarm_key_file
+    ) -> None:
         """Write the model as a Hugging Face OLMoE checkpoint (from a checkpoint dir or from live peers)."""
         from spes_node.logs import setup_logging
 
@@ -446,7 +455,10 @@ def export_command() -> click.Command:
         if checkpoint_dir:
             cfg, weights, provenance = load_checkpoint_weights(checkpoint_dir, config)
         else:
-            cfg, weights, provenance = fetch_swarm_weights(list(peers), run_id, allow_copies, timeout)
+            from spes_node.swarm_key import load_swarm_key
+
+            key = load_swarm_key(swarm_key, swarm_key_file)
+            cfg, weights, provenance = fetch_swarm_weights(list(peers), run_id, allow_copies, timeout, key)
         save_hf_checkpoint(cfg, weights, out, force=force, provenance=provenance)
         click.echo(
             f"exported {cfg.name} ({sum(t.numel() for t in weights.values()) / 1e6:.1f}M parameters) to {out}"

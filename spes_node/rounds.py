@@ -58,7 +58,11 @@ class SpesRound:
         node, swarm = self.node, self.cfg.swarm
         self.p2p = self.loop.run(node.dht.replicate_p2p())
         self.server = StateServer(
-            self.p2p, node.opts.run_id, node.config_hash, wire_compression(swarm.wire_compression)
+            self.p2p,
+            node.opts.run_id,
+            node.config_hash,
+            wire_compression(swarm.wire_compression),
+            swarm_key=node.opts.swarm_key,
         )
         self.loop.run(self.server.start())
         self.shared_avg = self._averager("shared", self._shared_cpu())
@@ -277,6 +281,7 @@ class SpesRound:
                     min_round=min_round,
                     timeout=self.cfg.swarm.averaging_timeout,
                     circuits=self._circuits.get(peer, ()),
+                    swarm_key=self.node.opts.swarm_key,
                 )
             except TransferError as e:
                 last_error = e

@@ -295,8 +295,9 @@ def plot(summary: Mapping[str, Any], path: str | os.PathLike) -> None:
 # ---------------------------------------------------------------------------------------------- network
 
 
-def open_dht(peers: Sequence[str], timeout: float) -> hivemind.DHT:
-    """A client-mode DHT peer (no inbound port) that can read the swarm's signed records."""
+def open_dht(peers: Sequence[str], timeout: float, swarm_key=None) -> hivemind.DHT:
+    """A client-mode DHT peer (no inbound port) that can read the swarm's signed records (with `swarm_key`, a
+    `SwarmKey`, those of a private swarm)."""
     import hivemind
     from hivemind.dht.crypto import RSASignatureValidator
 
@@ -306,6 +307,7 @@ def open_dht(peers: Sequence[str], timeout: float) -> hivemind.DHT:
             client_mode=True,
             start=True,
             record_validators=[RSASignatureValidator()],
+            authorizer=swarm_key.authorizer() if swarm_key else None,
             startup_timeout=timeout,
         )
     except Exception as e:
@@ -315,6 +317,16 @@ def open_dht(peers: Sequence[str], timeout: float) -> hivemind.DHT:
         raise ValueError(f"cannot reach the swarm at {', '.join(peers)}: {reason}") from None
 
 
+def _num_shards(config) -> int | None:
+    """The swarm's shard count from its (validated, signed) config record, to check node records against."""
+    if config is None:
+        return None
+    try:
+        return int(json.loads(config.config_json)["swarm"]["num_shards"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def fetch_summary(dht: hivemind.DHT, run_id: str) -> dict[str, Any]:
     """Read the swarm's records once; raises SwarmNotFound if the run id has neither config nor nodes."""
     from hivemind.utils import get_dht_time
@@ -322,7 +334,7 @@ def fetch_summary(dht: hivemind.DHT, run_id: str) -> dict[str, Any]:
     from spes_node import records
 
     config = records.fetch_config(dht, run_id)
-    nodes = records.fetch_nodes(dht, run_id)
+    nodes = records.fetch_nodes(dht, run_id, _num_shards(config))
     if config is None and not nodes:
         raise SwarmNotFound(f"no swarm '{run_id}' found at the given peers (no config or node records)")
     return summarize(run_id, config, nodes, get_dht_time())
@@ -360,6 +372,7 @@ def run_status(
     plot_path: str | None,
     timeout: float,
     interval: float,
+    swarm_key=None,
 ) -> None:
     if timeout <= 0:
         raise ValueError("--timeout: must be positive")
@@ -373,7 +386,7 @@ def run_status(
         # Ctrl-C only sets a flag: a KeyboardInterrupt raised inside a DHT call could leave the DHT unable to shut down
         signal.signal(signal.SIGINT, lambda *_: stop.set())
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    dht = open_dht(peers, timeout)
+    dht = open_dht(peers, timeout, swarm_key)
     try:
         summary = find_swarm(dht, run_id, max(POLL_S, timeout - (time.monotonic() - started)))
         _show(summary, as_json, watch, plot_path)
@@ -425,7 +438,20 @@ def run_status(
     show_envvar=True,
     help="Seconds between refreshes with --watch.",
 )
-def status(peers, run_id, as_json, watch, plot_path, timeout, interval) -> None:
+@click.option(
+    "--swarm-key",
+    envvar="SPES_SWARM_KEY",
+    show_envvar=True,
+    help="Shared secret of a private swarm (prefer --swarm-key-file: argv is visible).",
+)
+@click.option(
+    "--swarm-key-file",
+    type=click.Path(dir_okay=False),
+    envvar="SPES_SWARM_KEY_FILE",
+    show_envvar=True,
+    help="File holding the private swarm's key.",
+)
+def status(peers, run_id, as_json, watch, plot_path, timeout, interval, swarm_key, swarm_key_file) -> None:
     """Show a swarm: its nodes, their progress, and which shards have too few replicas."""
     # cli.py imports this module to register the command, so its helpers are imported when the command runs
     from spes_node.cli import UserError
@@ -433,6 +459,9 @@ def status(peers, run_id, as_json, watch, plot_path, timeout, interval) -> None:
 
     setup_logging("WARNING")
     try:
-        run_status(peers, run_id, as_json, watch, plot_path, timeout, interval)
+        from spes_node.swarm_key import load_swarm_key
+
+        key = load_swarm_key(swarm_key, swarm_key_file)
+        run_status(peers, run_id, as_json, watch, plot_path, timeout, interval, key)
     except ValueError as e:
         raise UserError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None

@@ -1,6 +1,6 @@
 """Access control for a private swarm: one shared secret, the swarm key, that every member holds.
 
-Two layers, both keyed with HMAC-SHA256 on subkeys derived from the swarm key:
+Three layers, all keyed with HMAC-SHA256 on subkeys derived from the swarm key:
 
 1. **DHT.** Every DHT request (ping, store, find) carries an HMAC over the whole request, a time and a random
    nonce; every reply carries an HMAC bound to the request's nonce (`SwarmKeyAuthorizer`, hivemind's authorizer
@@ -13,15 +13,14 @@ Two layers, both keyed with HMAC-SHA256 on subkeys derived from the swarm key:
    refuses a request without a valid tag, and every member checks every other member's tag in the group's
    gathered data before the all-reduce; a member without one gets weight 0 (see `robust.py`). The tag is bound to
    the peer id, which libp2p authenticates, so a copied tag is worthless to anyone else.
+3. **State downloads.** A request for a node's weights (`transfer.py`: refresh, joiners, export) carries the
+   same kind of tag, for the prefix "state.<run_id>"; a keyed node serves nothing to a request without one.
 
 Limits, stated plainly:
 - every key holder is trusted to join; there is no per-member revocation (a new key means a new swarm). Robust
   averaging (`robust.py`) is the defence against a key holder that misbehaves.
 - libp2p itself still talks to strangers: a peer that knows an address can connect, learn the peer id and the
   protocol names (identify), and spend the node's resources; this is not a protection against denial of service.
-- state snapshots (`transfer.py`) are not gated by the key: a stranger who knows a node's address, the run id and
-  the config hash can download the weights that node serves (it cannot change anything: downloads are validated
-  and taken only from peers listed in keyed records).
 - an eavesdropper on the path sees who talks to whom, when and how much; libp2p encrypts the streams, so not the
   records nor the tensors. The key itself never travels.
 - a key passed with --swarm-key is visible in the process list; prefer --swarm-key-file or SPES_SWARM_KEY.

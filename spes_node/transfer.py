@@ -23,6 +23,7 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from spes_node import relay
 from spes_node.proto.state_pb2 import StateRequest
+from spes_node.swarm_key import SwarmKey
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +55,17 @@ class StateServer:
     Lives in the node's asyncio loop; `publish` may be called from any thread through `publish_threadsafe`.
     """
 
-    def __init__(self, p2p: P2P, run_id: str, config_hash: str, compression: CompressionBase):
+    def __init__(
+        self,
+        p2p: P2P,
+        run_id: str,
+        config_hash: str,
+        compression: CompressionBase,
+        swarm_key: SwarmKey | None = None,
+    ):
         self.p2p, self.config_hash, self.compression = p2p, config_hash, compression
         self.handler_name = f"{HANDLER_PREFIX}.{run_id}"
+        self.swarm_key, self.tag_prefix = swarm_key, state_tag_prefix(run_id)
         self.snapshots: dict[str, Snapshot] = {}
         self.bytes_sent = 0
         self._updated: asyncio.Condition | None = None
@@ -83,6 +92,11 @@ class StateServer:
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
         if request.config_hash != self.config_hash:
             logger.warning(f"refusing state request from {context.remote_id}: config hash mismatch")
+            return
+        if self.swarm_key is not None and not self.swarm_key.check_join_tag(
+            self.tag_prefix, context.remote_id.to_bytes(), request.tag
+        ):
+            logger.warning(f"refusing state request from {context.remote_id}: no valid swarm key tag")
             return
         snapshot = await self._wait_for(request.part, request.min_round, timeout=10.0)
         if snapshot is None:
@@ -113,6 +127,10 @@ class StateServer:
                     return self.snapshots.get(part)
 
 
+def state_tag_prefix(run_id: str) -> str:
+    return f"state.{run_id}"
+
+
 async def download_part(
     p2p: P2P,
     peer: PeerID,
@@ -123,13 +141,17 @@ async def download_part(
     min_round: int = 0,
     timeout: float = 60.0,
     circuits: Sequence[str] = (),
+    swarm_key: SwarmKey | None = None,
 ) -> Download:
     """Download one part from one peer and validate it against the expected names and shapes.
 
     `circuits`: relay addresses of a peer that takes no direct connections (`relay.circuits_of` its record).
+    `swarm_key`: in a private swarm, proves to the server that we hold the key.
     """
     start = time.perf_counter()
     request = StateRequest(part=part, config_hash=config_hash, min_round=min_round)
+    if swarm_key is not None:
+        request.tag = swarm_key.join_tag(state_tag_prefix(run_id), p2p.peer_id.to_bytes())
     metadata: dict | None = None
     tensors: list[torch.Tensor] = []
     parts: list = []

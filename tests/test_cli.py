@@ -139,7 +139,9 @@ def test_relay_without_peers(cli):
 def test_relay_without_peer_id(cli):
     peer = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWCnLmjc8oo1X4AgZxffePQrQuqwX7FTqfg3QTq4mSn26q"
     _assert_one_line_error(
-        cli("join", "--preset", "tiny", "--peers", peer, "--relay", "/ip4/127.0.0.1/tcp/2"), "--relay", "/p2p/"
+        cli("join", "--preset", "tiny", "--peers", peer, "--relay", "/ip4/127.0.0.1/tcp/2"),
+        "--relay",
+        "/p2p/",
     )
 
 

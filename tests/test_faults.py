@@ -461,12 +461,51 @@ def test_peer_without_the_swarm_key_is_refused(host_swarm):
     assert codes[0] == averaging_pb2.PROTOCOL_VIOLATION
     assert codes[1] != averaging_pb2.PROTOCOL_VIOLATION, "with the key, the same request passes the key check"
 
+    # ... and by its state server: weights go only to a requester that proves it holds the key
+    outcomes = asyncio.run(_state_downloads(node, swarm, [None, wrong, key]))
+    assert outcomes[0].startswith("refused") and outcomes[1].startswith("refused"), outcomes
+    assert outcomes[2] == "ok", outcomes
+
+    # status reads the private swarm with the key, and finds nothing without it
+    args = ("status", "--peers", swarm.maddr, "--run-id", swarm.run_id, "--json", "--timeout", "20")
+    done = spes_cli(*args, "--swarm-key-file", str(swarm.key_file))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert {"a", "b"} <= {n["public_name"] for n in json.loads(done.stdout)["nodes"]}
+    keyless = spes_cli(*args)
+    assert keyless.returncode != 0 and "Traceback" not in keyless.stderr, keyless.stderr[-2000:]
+
     at = max(_round(swarm, n) for n in ("a", "b"))
     swarm.wait_for(lambda: min(_round(swarm, n) for n in ("a", "b")) >= at + 1, 240, "another round")
     for name in ("a", "b"):
         swarm.procs[name].send_signal(signal.SIGTERM)
         assert swarm.wait_exit(name, 120) == 0, swarm.log(name)[-3000:]
         assert max(r["shared_group"] for r in swarm.summary(name)["rounds"]) == 2
+
+
+async def _state_downloads(node: records.NodeInfo, swarm: HostSwarm, keys: list[str | None]) -> list[str]:
+    """For each key (None: no key), the outcome of downloading `node`'s shared weights from an outside peer."""
+    from spes_node.model import MoEForCausalLM
+    from spes_node.sharding import shared_parameters
+    from spes_node.transfer import TransferError, download_part
+
+    with torch.device("meta"):
+        model = MoEForCausalLM(swarm.cfg.model, swarm.cfg.swarm.num_shards)
+    expected = {k: v.shape for k, v in shared_parameters(model).items()}
+    p2p = await P2P.create(initial_peers=node.maddrs)
+    outcomes = []
+    try:
+        for text in keys:
+            try:
+                await download_part(
+                    p2p, PeerID.from_base58(node.peer_id), swarm.run_id, swarm.cfg.hash(), "shared", expected,
+                    timeout=30, swarm_key=SwarmKey.from_text(text) if text else None,
+                )  # fmt: skip
+                outcomes.append("ok")
+            except TransferError as e:
+                outcomes.append(f"refused: {e}")
+        return outcomes
+    finally:
+        await p2p.shutdown()
 
 
 async def _join_requests(node: records.NodeInfo, prefix: str, keys: list[str]) -> list[int]:
