@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,19 +49,23 @@ class RecordPeers:
     def __init__(self, bootstrap_maddrs: list[str], cfg, run_id: str, expiration_s: float):
         self.maddrs, self.cfg, self.run_id, self.expiration_s = bootstrap_maddrs, cfg, run_id, expiration_s
         self.peers = []
+        self.keys = tempfile.TemporaryDirectory(prefix="spes-scale-")
 
     def grow(self, count: int) -> None:
         import hivemind
         from hivemind.dht.crypto import RSASignatureValidator
-        from hivemind.utils.crypto import RSAPrivateKey
 
         from spes_node import records
+        from spes_node.identity import load_or_create_identity
 
         while len(self.peers) < count:
-            validator = RSASignatureValidator(RSAPrivateKey())
+            # a node's peer id derives from its record-signing key, and readers check that (records.py)
+            identity = Path(self.keys.name) / f"peer{len(self.peers)}.key"
+            validator = RSASignatureValidator(load_or_create_identity(identity))
             dht = hivemind.DHT(
                 initial_peers=self.maddrs,
                 host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                identity_path=str(identity),
                 record_validators=[validator],
                 start=True,
             )
@@ -83,6 +88,7 @@ class RecordPeers:
     def shutdown(self) -> None:
         for dht in self.peers:
             dht.shutdown()
+        self.keys.cleanup()
 
 
 def measure_status(maddrs: list[str], run_id: str, repeats: int) -> dict:

@@ -19,23 +19,17 @@ import hashlib
 import json
 import logging
 import math
-import os
 import re
-import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
-from hivemind.utils.crypto import RSAPrivateKey
 
 from spes_node import __version__
+from spes_node.identity import peer_id_of_public_key
 from spes_node.proto import NodeRecord, SwarmConfigRecord
 
 logger = logging.getLogger(__name__)
@@ -108,44 +102,6 @@ def config_key(run_id: str) -> str:
 def config_digest(config_json: str) -> str:
     """The config hash stored next to a config: sha256 hex digest of its JSON text."""
     return hashlib.sha256(config_json.encode()).hexdigest()
-
-
-def load_or_create_rsa_key(path: str | os.PathLike) -> RSAPrivateKey:
-    """Load this node's RSA key from ``path``, or create it there (atomically, mode 0600).
-
-    The file uses hivemind's identity format (a libp2p private key), so the same file can be given
-    to ``hivemind.DHT(identity_path=...)`` and the peer id then derives from the signing key.
-    """
-    path = Path(path)
-    if path.exists():
-        try:
-            proto = crypto_pb2.PrivateKey.FromString(path.read_bytes())
-            if proto.key_type != crypto_pb2.KeyType.RSA:
-                raise ValueError("not an RSA key")
-            private_key = serialization.load_der_private_key(proto.data, password=None)
-        except Exception as e:
-            raise ValueError(f"identity file {path} does not hold an RSA identity: {e}") from e
-        if not isinstance(private_key, rsa.RSAPrivateKey):
-            raise ValueError(f"identity file {path} does not hold an RSA identity")
-        key = RSAPrivateKey.__new__(RSAPrivateKey)
-        key.__setstate__({"_private_key": proto.data})
-        return key
-
-    key = RSAPrivateKey()
-    data = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=key.to_bytes()).SerializeToString()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "wb") as tmp:
-            tmp.write(data)
-            tmp.flush()
-            os.fsync(tmp.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    return key
 
 
 def _check_text(value: str, name: str, max_chars: int, *, allow_empty: bool = True) -> None:
@@ -276,6 +232,22 @@ def _owner_prefix(subkey: Any) -> bytes:
     return subkey[: -len(owners[0])]
 
 
+def _owner_peer_id(marker: bytes) -> str:
+    """The peer id of a record owner ("[owner:<ssh-rsa key>]"): a node's libp2p identity is its signing key
+    (`identity.py`), so a node can only publish a heartbeat under its own peer id."""
+    found = _owner_ids.get(marker)
+    if found is None:
+        try:
+            found = peer_id_of_public_key(marker[len(b"[owner:") : -1])
+        except Exception as e:
+            raise ValueError(f"the owner key is not an RSA public key: {type(e).__name__}") from None
+        if len(_owner_ids) >= _MAX_REMEMBERED_WARNINGS:
+            _owner_ids.clear()
+        _owner_ids[marker] = found
+    return found
+
+
+_owner_ids: dict[bytes, str] = {}
 _warned: set[tuple] = set()
 
 
@@ -357,6 +329,10 @@ def fetch_nodes(dht: DHT, run_id: str, num_shards: int | None = None) -> dict[st
             _check_node_record(record, num_shards)
             if prefix != record.peer_id.encode():
                 raise ValueError(f"peer_id {record.peer_id} differs from the peer id in the subkey")
+            if _owner_peer_id(subkey[len(prefix) :]) != record.peer_id:
+                raise ValueError(
+                    f"peer_id {record.peer_id} is not the peer id of the key that signed the record"
+                )
         except ValueError as e:
             _warn_bad_record("node", run_id, subkey, entry.value, e)
             continue

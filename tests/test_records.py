@@ -1,16 +1,18 @@
 import logging
 import math
 import stat
+import tempfile
 import uuid
 from functools import partial
+from pathlib import Path
 
 import hivemind
 import pytest
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
-from hivemind.utils.crypto import RSAPrivateKey
 
+from spes_node.identity import load_or_create_identity, peer_id_of, peer_id_of_public_key
 from spes_node.proto import NodeRecord, SwarmConfigRecord
 from spes_node.records import (
     MAX_VALUE_BYTES,
@@ -19,7 +21,6 @@ from spes_node.records import (
     config_key,
     fetch_config,
     fetch_nodes,
-    load_or_create_rsa_key,
     node_key,
     publish_config,
     publish_node,
@@ -32,11 +33,15 @@ CONFIG_Y = '{"model": "tiny", "sync_steps": 20}'
 
 
 class Peer:
+    """A DHT peer whose libp2p identity is its record-signing key, as a node's is (`identity.py`)."""
+
     def __init__(self, initial_peers=()):
-        self.validator = RSASignatureValidator(RSAPrivateKey())
+        identity = Path(tempfile.mkdtemp(prefix="spes-peer-")) / "identity.key"
+        self.validator = RSASignatureValidator(load_or_create_identity(identity))
         self.dht = hivemind.DHT(
             host_maddrs=["/ip4/127.0.0.1/tcp/0"],
             initial_peers=list(initial_peers),
+            identity_path=str(identity),
             start=True,
             record_validators=[self.validator],
         )
@@ -129,6 +134,24 @@ def test_peer_cannot_overwrite_another_peers_subkey(peers, run_id):
         nodes = fetch_nodes(reader.dht, run_id)
         assert list(nodes) == [a.peer_id]
         assert nodes[a.peer_id].step == 1
+
+
+@pytest.mark.swarm
+def test_a_heartbeat_under_another_peers_id_is_ignored(peers, run_id):
+    a, b, _ = peers
+    assert publish_node(a.dht, run_id, _info(a.peer_id, step=1), a.validator, EXPIRATION_S)
+    # b signs a newer heartbeat that claims a's peer id, under its own subkey "<a's id><b's key>"
+    usurper = _info(a.peer_id, step=999, shards=[0])
+    assert publish_node(b.dht, run_id, usurper, b.validator, EXPIRATION_S)
+    for reader in (a, b):
+        nodes = fetch_nodes(reader.dht, run_id)
+        assert list(nodes) == [a.peer_id] and nodes[a.peer_id].step == 1
+
+
+def test_owner_key_gives_the_libp2p_peer_id(tmp_path):
+    path = tmp_path / "identity.key"
+    key = load_or_create_identity(path)
+    assert peer_id_of_public_key(key.get_public_key().to_bytes()) == peer_id_of(path).to_base58()
 
 
 @pytest.mark.swarm
@@ -252,9 +275,9 @@ def test_publish_rejects_bad_info_naming_the_field(peers, run_id):
 
 def test_rsa_key_persists_with_private_mode(tmp_path):
     path = tmp_path / "keys" / "node.key"
-    key = load_or_create_rsa_key(path)
+    key = load_or_create_identity(path)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    again = load_or_create_rsa_key(path)
+    again = load_or_create_identity(path)
     assert again.get_public_key().to_bytes() == key.get_public_key().to_bytes()
     assert RSASignatureValidator(again).local_public_key == RSASignatureValidator(key).local_public_key
     assert [p.name for p in path.parent.iterdir()] == ["node.key"]
@@ -266,13 +289,13 @@ def test_rsa_key_file_that_is_not_a_key_is_refused(tmp_path):
     path = tmp_path / "node.key"
     path.write_bytes(b"garbage")
     with pytest.raises(ValueError, match="node.key"):
-        load_or_create_rsa_key(path)
+        load_or_create_identity(path)
 
 
 @pytest.mark.swarm
 def test_rsa_key_file_is_a_hivemind_identity(tmp_path):
     path = tmp_path / "node.key"
-    load_or_create_rsa_key(path)
+    load_or_create_identity(path)
     dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=str(path), start=True)
     try:
         assert dht.peer_id == PeerID.from_identity(path.read_bytes())
