@@ -173,8 +173,15 @@ class Node:
 
         tokenizer = load_tokenizer(self.cfg.data.tokenizer)
         spec = opts.data or self.cfg.data.source
+        # a restarted node keeps its part (and so its place in the data) unless another holder took it meanwhile
+        resumed_part = checkpoint.meta.get("data_part") if checkpoint is not None else None
         part, num_parts = data_part(
-            nodes, self.peer_id, shard, self.cfg.swarm.num_shards, self.cfg.swarm.replication_target
+            nodes,
+            self.peer_id,
+            shard,
+            self.cfg.swarm.num_shards,
+            self.cfg.swarm.replication_target,
+            current=int(resumed_part[0]) if resumed_part else None,
         )
         self.batcher = TokenBatcher(
             spec,
@@ -485,6 +492,7 @@ class Node:
             loss_history=[x for x in self.status.loss_history if x == x],
             bytes_sent=sum(self.status.bytes_sent.values()),
             bytes_received=sum(self.status.bytes_received.values()),
+            data_part=self.data_part[0] if getattr(self, "data_part", None) else None,
         )
 
     def publish_record(self) -> None:

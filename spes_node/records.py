@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 MAX_VALUE_BYTES = 64 * 1024
 MAX_SHARDS_PER_NODE = 1024
+MAX_DATA_PARTS = 1 << 20
 MAX_LOSS_HISTORY = 64
 MAX_MADDRS = 32
 MAX_MADDR_CHARS = 512
@@ -77,6 +78,8 @@ class NodeInfo:
     loss_history: list[float] = field(default_factory=list)
     bytes_sent: int = 0
     bytes_received: int = 0
+    data_part: int | None = None
+    """The data part the node reads (`sharding.data_part`), None until it has one."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,8 @@ def _check_node_record(record: NodeRecord, num_shards: int | None) -> None:
         raise ValueError(f"maddrs has more than {MAX_MADDRS} entries")
     for maddr in record.maddrs:
         _check_text(maddr, "maddrs", MAX_MADDR_CHARS, allow_empty=False)
+    if record.data_part > MAX_DATA_PARTS:
+        raise ValueError(f"data_part is above {MAX_DATA_PARTS}")
     if len(record.loss_history) > MAX_LOSS_HISTORY:
         raise ValueError(f"loss_history has more than {MAX_LOSS_HISTORY} entries")
     for loss in record.loss_history:
@@ -184,6 +189,7 @@ def _node_to_record(info: NodeInfo, updated_at: float) -> NodeRecord:
             loss_history=info.loss_history[-MAX_LOSS_HISTORY:],
             bytes_sent=info.bytes_sent,
             bytes_received=info.bytes_received,
+            data_part=0 if info.data_part is None else info.data_part + 1,
         )
     except (TypeError, ValueError) as e:
         raise ValueError(f"node info does not fit the record: {e}") from None
@@ -208,6 +214,7 @@ def _record_to_node(record: NodeRecord, expires_at: float) -> NodeInfo:
         loss_history=list(record.loss_history),
         bytes_sent=record.bytes_sent,
         bytes_received=record.bytes_received,
+        data_part=record.data_part - 1 if record.data_part else None,
     )
 
 

@@ -188,6 +188,7 @@ class SpesRound:
             self.merge(sync_step)
             self.publish_snapshots()
         self.maybe_rebalance()
+        self.settle_data_part()
         seconds = time.perf_counter() - flight["started"]
         self.last_report = {
             "round": node.status.round,
@@ -392,6 +393,24 @@ class SpesRound:
         logger.info(
             f"downloaded the swarm state ({total / 1e6:.2f} MB) in {node.join_seconds:.1f}s, round {node.status.round}"
         )
+
+    def settle_data_part(self) -> None:
+        """Move to another data part if a replica with a smaller peer id reads ours (`sharding.data_part`)."""
+        node, swarm = self.node, self.cfg.swarm
+        nodes = records.fetch_nodes(node.dht, node.opts.run_id, swarm.num_shards)
+        nodes.pop(node.peer_id, None)
+        current = node.data_part[0]
+        part, num_parts = data_part(
+            nodes, node.peer_id, node.shard, swarm.num_shards, swarm.replication_target, current=current
+        )
+        if (part, num_parts) == tuple(node.data_part):
+            return
+        logger.info(
+            f"data part {current} is also read by another replica of shard {node.shard}: taking {part}"
+        )
+        node.batcher.set_part(part, num_parts)
+        node.data_part = (part, num_parts)
+        node.publish_record()
 
     def maybe_rebalance(self) -> None:
         node, swarm = self.node, self.cfg.swarm

@@ -6,6 +6,7 @@ every node trains them. A node trains the experts of the shards it owns; every o
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
 import torch
@@ -80,13 +81,28 @@ def load_dense_state_dict(model: MoEForCausalLM, state: dict[str, torch.Tensor])
         load_shard_tensors(model, shard, state)
 
 
-def data_part(nodes, peer_id: str, shard: int, num_shards: int, replication_target: int) -> tuple[int, int]:
-    """This node's part of the data: (part, num_parts), disjoint from every other live node's part.
+def data_part(
+    nodes, peer_id: str, shard: int, num_shards: int, replication_target: int, current: int | None = None
+) -> tuple[int, int]:
+    """This node's part of the data: (part, num_parts), disjoint from the parts other live nodes announce.
 
-    Parts are indexed by shard and by the node's rank among the shard's holders (peer ids sorted), so nodes that
-    hold different shards, or the same shard at different ranks, read different documents. A shard with more than
-    `replication_target` holders wraps around, and its extra replicas share parts.
+    Each shard has `replication_target` parts, so nodes that hold different shards read different documents. A
+    node takes the lowest part of its shard that no other holder announces in its record (`NodeInfo.data_part`);
+    when all are taken (more replicas than the target), the least read one.
+
+    `current`: the part the node reads now. It keeps it unless a holder with a smaller peer id announces the same
+    part, which happens when two replicas start at the same moment and neither sees the other yet: the one with
+    the larger peer id then moves, the other stays, so the swarm settles without both moving.
     """
-    holders = sorted({p for p, n in nodes.items() if shard in n.shards and n.state != "leaving"} | {peer_id})
-    rank = holders.index(peer_id) % replication_target
-    return shard * replication_target + rank, num_shards * replication_target
+    num_parts = num_shards * replication_target
+    slots = range(shard * replication_target, (shard + 1) * replication_target)
+    announced = {
+        p: n.data_part
+        for p, n in nodes.items()
+        if p != peer_id and shard in n.shards and n.state != "leaving" and n.data_part is not None
+    }
+    if current is not None and 0 <= current < num_parts:
+        if not any(part == current and p < peer_id for p, part in announced.items()):
+            return current, num_parts
+    counts = Counter(part for part in announced.values() if part in slots)
+    return min(slots, key=lambda part: (counts[part], part)), num_parts

@@ -2,6 +2,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from spes_node.records import NodeInfo
+from spes_node.sharding import data_part
 from spes_node.shards import (
     assign_joiners,
     choose_shard,
@@ -127,3 +129,32 @@ def test_simultaneous_joiners_spread_out():
     after |= {peer: Node([shard]) for peer, shard in assigned.items()}
     counts = replica_counts(after, 4)
     assert min(counts) >= 1 and max(counts) - min(counts) <= 1
+
+
+def _holder(peer: str, shard: int, part: int | None = None, state: str = "training") -> NodeInfo:
+    return NodeInfo(peer_id=peer, shards=[shard], state=state, data_part=part)
+
+
+def test_data_part_takes_the_lowest_part_nobody_reads():
+    # shard 1 of 4 with 2 replicas per shard: parts 2 and 3 of 8
+    assert data_part({}, "B", 1, 4, 2) == (2, 8)
+    assert data_part({"A": _holder("A", 1, 2)}, "B", 1, 4, 2) == (3, 8)
+    assert data_part({"A": _holder("A", 1, 3)}, "B", 1, 4, 2) == (2, 8)
+    # other shards' holders and leaving nodes do not count; holders without a part yet neither
+    nodes = {"A": _holder("A", 0, 0), "C": _holder("C", 1, 2, state="leaving"), "D": _holder("D", 1)}
+    assert data_part(nodes, "B", 1, 4, 2) == (2, 8)
+    # more replicas than the target share the least read part
+    nodes = {"A": _holder("A", 1, 2), "C": _holder("C", 1, 3), "D": _holder("D", 1, 2)}
+    assert data_part(nodes, "B", 1, 4, 2) == (3, 8)
+
+
+def test_simultaneous_replicas_settle_on_different_parts():
+    # A and B started together and both took part 2; after a round they see each other's records
+    a, b = _holder("A", 1, 2), _holder("B", 1, 2)
+    assert data_part({"B": b}, "A", 1, 4, 2, current=2) == (2, 8), "the smaller peer id stays"
+    assert data_part({"A": a}, "B", 1, 4, 2, current=2) == (3, 8), "the larger one moves"
+    # once apart, nobody moves again
+    assert data_part({"B": _holder("B", 1, 3)}, "A", 1, 4, 2, current=2) == (2, 8)
+    assert data_part({"A": a}, "B", 1, 4, 2, current=3) == (3, 8)
+    # a kept part may be outside the shard's own range (a restarted node, a pinned benchmark): kept while unique
+    assert data_part({"A": a}, "B", 1, 4, 2, current=6) == (6, 8)

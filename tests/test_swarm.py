@@ -64,7 +64,11 @@ def test_four_nodes_two_replicas_agree_after_rounds(swarm_factory):
         last = s["rounds"][-1]
         assert last["shared_group"] == 4 and last["shard_group"] == 2, (name, s["rounds"])
 
-    states = {name: swarm.checkpoint(name).tensors for name in names}
+    checkpoints = {name: swarm.checkpoint(name) for name in names}
+    # replicas that started together first took the same data part; after a round they read different ones
+    parts = {name: tuple(c.meta["data_part"]) for name, c in checkpoints.items()}
+    assert len(set(parts.values())) == 4, parts
+    states = {name: c.tensors for name, c in checkpoints.items()}
     reference = _shared_tensors(states[names[0]])
     for name in names[1:]:
         _assert_close(_shared_tensors(states[name]), reference, f"shared parameters of {name} vs {names[0]}")
