@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/spes-node simulate --nodes "${NODES:-3}" --max-rounds "${ROUNDS:-6}" "$@"
+exec .venv/bin/spes-node simulate ${NODES:+--nodes "$NODES"} --max-rounds "${ROUNDS:-6}" "$@"

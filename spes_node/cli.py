@@ -203,7 +203,9 @@ def join(
 
 @main.command()
 @option(
-    "--nodes", default=3, show_default=True, type=click.IntRange(1, 16), help="Training daemons to start."
+    "--nodes",
+    type=click.IntRange(1, 16),
+    help="Training daemons to start (default: one per shard of the config, so that every expert trains).",
 )
 @option("--preset", default="tiny", show_default=True)
 @option("--config", type=click.Path(dir_okay=False), help="Config file instead of a preset.")

@@ -17,9 +17,17 @@ from spes_node.config import SpesConfig, load_preset
 
 
 def run_simulation(
-    cfg: SpesConfig | None, num_nodes: int, max_rounds: int, workdir: Path, data: str | None
+    cfg: SpesConfig | None, num_nodes: int | None, max_rounds: int, workdir: Path, data: str | None
 ) -> int:
     cfg = cfg or load_preset("tiny")
+    num_shards = cfg.swarm.num_shards
+    num_nodes = num_nodes or min(num_shards, 16)
+    if num_nodes < num_shards:
+        # a node holds one shard: the experts of the others stay at their initial values
+        print(
+            f"warning: {num_nodes} nodes for {num_shards} shards: shards {list(range(num_nodes, num_shards))} "
+            "will have no holder and their experts will not train"
+        )
     if workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
