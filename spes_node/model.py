@@ -119,10 +119,18 @@ class ExpertShard(nn.Module):
             self._store_frozen("gate_up", gate_up)
             self._store_frozen("down", down)
 
-    def weights_for(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.trainable or self.frozen_dtype != "int8":
-            return self.gate_up, self.down
-        return self._dequantize("gate_up").to(dtype), self._dequantize("down").to(dtype)
+    def linear(self, x: torch.Tensor, name: str, local: int) -> torch.Tensor:
+        """`x @ W.T` for weight `name` ("gate_up" or "down") of local expert `local`.
+
+        A frozen weight goes through `_FrozenLinear`, which keeps only the stored low-precision expert for
+        backward: a cast (bf16 to fp32) or dequantized (int8) copy would otherwise be saved by autograd for
+        every expert a batch routes to, which on a node with S shards is most of the model in fp32 again.
+        """
+        weight = getattr(self, name)[local]
+        if self.trainable:
+            return F.linear(x, weight.to(x.dtype))
+        scale = getattr(self, f"{name}_scale")[local] if self.frozen_dtype == "int8" else None
+        return _FrozenLinear.apply(x, weight, scale)
 
     def _store_frozen(self, name: str, value: torch.Tensor) -> None:
         value = value.detach().float()
@@ -146,6 +154,32 @@ class ExpertShard(nn.Module):
         if self.frozen_dtype == "int8":
             return value.float() * getattr(self, f"{name}_scale")
         return value.float()
+
+
+class _FrozenLinear(torch.autograd.Function):
+    """`x @ dense(W).T` for a frozen weight W (fp32, bf16, or int8 with per-row `scale`) that needs no gradient.
+
+    Saves W as stored and rebuilds the dense weight in backward for the input's gradient, so activation memory
+    holds no full-precision copy of frozen experts.
+    """
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(weight, scale)
+        ctx.x_dtype = x.dtype
+        return F.linear(x, _dense(weight, scale, x.dtype))
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, grad: torch.Tensor):
+        weight, scale = ctx.saved_tensors
+        return (grad @ _dense(weight, scale, grad.dtype)).to(ctx.x_dtype), None, None
+
+
+def _dense(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    dense = weight.to(dtype)
+    return dense * scale.to(dtype) if scale is not None else dense
 
 
 class SparseMoE(nn.Module):
@@ -174,11 +208,10 @@ class SparseMoE(nn.Module):
                 continue
             shard = self.shards[expert // self.per_shard]
             local = expert - shard.start
-            gate_up, down = shard.weights_for(x.dtype)
             token_idx, slot = torch.where(top_i == expert)
             h = x[token_idx]
-            g, u = F.linear(h, gate_up[local].to(h.dtype)).chunk(2, dim=-1)
-            y = F.linear(F.silu(g) * u, down[local].to(h.dtype)) * top_w[token_idx, slot, None]
+            g, u = shard.linear(h, "gate_up", local).chunk(2, dim=-1)
+            y = shard.linear(F.silu(g) * u, "down", local) * top_w[token_idx, slot, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         return out.reshape(shape), router_logits
 
