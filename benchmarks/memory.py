@@ -60,7 +60,14 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def probe(preset: str, num_shards: int, owned: str, frozen_dtype: str, steps: int) -> dict:
+def probe(
+    preset: str,
+    num_shards: int,
+    owned: str,
+    frozen_dtype: str,
+    steps: int,
+    activation_checkpointing: bool = False,
+) -> dict:
     """Peak RSS growth (KiB) of building a model with this ownership and training `steps` steps on one batch."""
     import torch
 
@@ -70,7 +77,10 @@ def probe(preset: str, num_shards: int, owned: str, frozen_dtype: str, steps: in
     from spes_node.trainer import Trainer
 
     torch.set_num_threads(1)
-    cfg = load_preset(preset).replace(swarm={"num_shards": num_shards, "frozen_dtype": frozen_dtype})
+    cfg = load_preset(preset).replace(
+        swarm={"num_shards": num_shards, "frozen_dtype": frozen_dtype},
+        train={"activation_checkpointing": activation_checkpointing},
+    )
     generator = torch.Generator().manual_seed(0)
     batch = torch.randint(
         0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1), generator=generator
@@ -125,13 +135,14 @@ def analytic_bytes(cfg, num_shards: int, owned: int, frozen_dtype: str) -> int:
     return 16 * trainable + frozen_bytes
 
 
-def _run_probe(owned: str, frozen_dtype: str, settings: dict) -> dict:
+def _run_probe(owned: str, frozen_dtype: str, settings: dict, activation_checkpointing: bool = False) -> dict:
     spec = {
         "preset": settings["preset"],
         "num_shards": settings["num_shards"],
         "owned": owned,
         "frozen_dtype": frozen_dtype,
         "steps": settings["steps"],
+        "activation_checkpointing": activation_checkpointing,
     }
     out = subprocess.run(
         python_cmd("benchmarks.memory", "--probe", json.dumps(spec)),
@@ -173,6 +184,13 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
     with LoadMonitor() as load:
         all_experts = _run_probe("all", settings["headline_frozen_dtype"], settings)
         one = {dtype: _run_probe("one", dtype, settings) for dtype in settings["frozen_dtypes"]}
+        # both nodes recompute their layers in backward (`train.activation_checkpointing`)
+        recomputed = {
+            owned: _run_probe(
+                owned, settings["headline_frozen_dtype"], settings, activation_checkpointing=True
+            )
+            for owned in ("one", "all")
+        }
         daemon = {
             "one_of_s": _daemon_peak(S, settings, workdir),
             "all_experts": _daemon_peak(1, settings, workdir),
@@ -198,6 +216,9 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
             "analytic_mib": mib(all_bound),
             "probe": all_experts,
         },
+        "memory_ratio_activation_checkpointing": recomputed["one"]["peak_kib"]
+        / recomputed["all"]["peak_kib"],
+        "activation_checkpointing": recomputed,
         "daemon_rss_ratio": daemon_ratio,
         "daemon": daemon,
         "method": "peak VmHWM growth over model build + train steps, fresh subprocess per configuration",
@@ -222,6 +243,11 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
             rows,
             title=f"memory ({settings['preset']} preset, {settings['steps']} steps, peak RSS growth)",
         )
+    )
+    emit(
+        f"with activation checkpointing (frozen {settings['headline_frozen_dtype']}), 1 of {S} shards vs all experts: "
+        f"{recomputed['one']['peak_kib'] / 1024:.0f} / {recomputed['all']['peak_kib'] / 1024:.0f} MiB "
+        f"= {results['memory_ratio_activation_checkpointing']:.3f}"
     )
     emit(
         f"whole daemon process, 1 of {S} shards vs all experts: "

@@ -115,6 +115,7 @@ def gather(results: dict[str, dict], errors: dict[str, str], seconds: float, loa
             dtype: {"measured": v["measured_ratio"], "analytic": v["analytic_ratio"]}
             for dtype, v in memory_detail.items()
         },
+        "memory_ratio_activation_checkpointing": get("memory", "memory_ratio_activation_checkpointing"),
         "memory_daemon_rss_ratio": get("memory", "daemon_rss_ratio"),
         "payload_ratio_vs_diloco": get("bytes_per_round", "payload_ratio_vs_diloco"),
         "link_utilisation_by_rate": {

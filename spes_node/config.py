@@ -116,6 +116,9 @@ class TrainConfig:
     """Log one line every this many steps."""
     checkpoint_every: int = 0
     """Also checkpoint every this many steps (0: only at round ends and on exit)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in the backward pass instead of keeping its activations: less memory (the
+    activations are the same for every node, frozen experts included), about a third more compute."""
     keep_checkpoints: int = 3
     """Checkpoints kept on disk."""
     eval_batches: int = 4

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from spes_node.config import ModelConfig
@@ -257,6 +258,8 @@ class MoEForCausalLM(nn.Module):
         if cfg.num_experts % num_shards:
             raise ValueError(f"num_shards: {num_shards} does not divide num_experts {cfg.num_experts}")
         self.cfg, self.num_shards = cfg, num_shards
+        self.activation_checkpointing = False
+        """Recompute decoder layers in backward (`TrainConfig.activation_checkpointing`; the trainer sets it)."""
         self.model = Backbone(cfg, num_shards)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -282,7 +285,10 @@ class MoEForCausalLM(nn.Module):
         cos, sin = rotary_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         router_logits = []
         for layer in self.model.layers:
-            x, logits = layer(x, cos, sin)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x, logits = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x, logits = layer(x, cos, sin)
             router_logits.append(logits)
         logits = self.lm_head(self.model.norm(x))
         if labels is None:

@@ -51,6 +51,7 @@ class Trainer:
 
     def __init__(self, cfg: SpesConfig, model: MoEForCausalLM, batcher, device: torch.device):
         self.cfg, self.model, self.batcher, self.device = cfg, model, batcher, device
+        model.activation_checkpointing = cfg.train.activation_checkpointing
         self.step = 0
         self.optimizer = self._build_optimizer({})
 

@@ -325,3 +325,20 @@ def test_frozen_experts_backward_matches_dense_weights(frozen_dtype, monkeypatch
     assert ours.keys() == reference.keys() and any(".mlp.gate." in n for n in ours)
     for name in ours:
         torch.testing.assert_close(ours[name], reference[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    model = _model(TINY)
+    apply_ownership(model, [1], "bf16")
+    ids = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def grads(checkpointing: bool) -> dict[str, torch.Tensor]:
+        model.activation_checkpointing = checkpointing
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, recomputed = grads(False), grads(True)
+    assert plain.keys() == recomputed.keys()
+    for name in plain:
+        torch.testing.assert_close(recomputed[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)
