@@ -14,6 +14,7 @@ import logging
 import random
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,6 +52,8 @@ class SpesRound:
         self.bans = BanList()
         self._circuits: dict[str, list[str]] = {}
         """Relay addresses of peers that take no direct connections, from their last records."""
+        self._frozen_snapshots: dict[int, tuple[list, dict[str, torch.Tensor]]] = {}
+        """Served copies of frozen shards, with weak references to the buffers they were copied from."""
 
     # ------------------------------------------------------------------ setup
 
@@ -102,6 +105,23 @@ class SpesRound:
     def _shard_cpu(self, shard: int) -> dict[str, torch.Tensor]:
         return _cpu_copy(shard_tensors(self.node.model, shard))
 
+    def _frozen_snapshot(self, shard: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """A CPU copy of a frozen shard, made again only when the shard's weights changed.
+
+        Frozen weights are never changed in place: a refresh or merge stores new buffers (`ExpertShard.load_dense`),
+        so the buffers' identity tells whether the last copy is still current. Weak references, so that the cache
+        neither keeps replaced buffers alive nor mistakes a new buffer at a reused address for the old one.
+        """
+        buffers = [b for s in self.node.model.expert_shards(shard) for b in s.buffers()]
+        cached = self._frozen_snapshots.get(shard)
+        if cached is not None:
+            refs, tensors = cached
+            if len(refs) == len(buffers) and all(r() is b for r, b in zip(refs, buffers)):
+                return tensors
+        tensors = _cpu_copy(shard_tensors(self.node.model, shard), dtype)
+        self._frozen_snapshots[shard] = ([weakref.ref(b) for b in buffers], tensors)
+        return tensors
+
     def publish_snapshots(self, premerge: bool = False) -> None:
         """Serve the state as it is now: shared parameters and own shard (copies), frozen copies of the rest.
 
@@ -109,10 +129,16 @@ class SpesRound:
         """
         node = self.node
         round_ = node.status.round
-        parts = {"shared": self._shared_cpu()}
+        # what is served travels at wire precision anyway: keep the snapshots at that precision, not fp32
+        dtype = torch.float16 if self.cfg.swarm.wire_compression == "fp16" else torch.float32
+        parts = {"shared": _cpu_copy(shared_parameters(node.model), dtype)}
         for shard in range(self.cfg.swarm.num_shards):
             own = shard == node.shard
-            tensors = self._shard_cpu(shard)
+            if own:
+                tensors = _cpu_copy(shard_tensors(node.model, shard), dtype)
+                self._frozen_snapshots.pop(shard, None)
+            else:
+                tensors = self._frozen_snapshot(shard, dtype)
             parts[f"{'shard' if own else 'copy'}:{shard}"] = tensors
             self.loop.run(self.server.withdraw(f"{'copy' if own else 'shard'}:{shard}"))
             if own and premerge:
@@ -459,8 +485,10 @@ class SpesRound:
         self.loop.stop()
 
 
-def _cpu_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: t.detach().to("cpu", torch.float32, copy=True) for name, t in tensors.items()}
+def _cpu_copy(
+    tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    return {name: t.detach().to("cpu", dtype, copy=True) for name, t in tensors.items()}
 
 
 def _clone(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
