@@ -11,6 +11,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 
 from spes_node import relay
 from spes_node.identity import load_or_create_identity
+from spes_node.procs import NodeDHT
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ def start_bootstrap(
     (see `spes_node.relay`); with `swarm_key` (a `SwarmKey`) it talks only to peers that hold the key."""
     if identity:
         load_or_create_identity(identity)
-    return hivemind.DHT(
+    return NodeDHT(
         initial_peers=list(peers) or None,
         host_maddrs=list(host_maddrs),
         announce_maddrs=list(announce_maddrs) or None,

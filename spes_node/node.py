@@ -26,6 +26,7 @@ from spes_node.errors import SpesError
 from spes_node.identity import load_or_create_identity
 from spes_node.metrics import NodeMetrics
 from spes_node.model import MoEForCausalLM
+from spes_node.procs import NodeDHT
 from spes_node.rounds import SpesRound
 from spes_node.sharding import apply_ownership, data_part
 from spes_node.shards import assign_joiners
@@ -267,7 +268,7 @@ class Node:
     def _start_dht(self, identity_path: str) -> hivemind.DHT:
         opts = self.opts
         try:
-            dht = hivemind.DHT(
+            dht = NodeDHT(
                 initial_peers=opts.peers or None,
                 host_maddrs=opts.host_maddrs,
                 announce_maddrs=opts.announce_maddrs or None,

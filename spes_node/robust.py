@@ -74,6 +74,7 @@ from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
+from spes_node.procs import bind_to_parent
 from spes_node.swarm_key import SwarmKey
 
 logger = logging.getLogger(__name__)
@@ -368,6 +369,10 @@ class RobustAverager(DecentralizedAverager):
     `gather` values travel with this peer's swarm-key tag; `step(...).result()` is a `GroupOutcome`.
     Bans are set from the parent process with `set_banned` before a step.
     """
+
+    def run(self) -> None:
+        bind_to_parent()  # the averager process dies with the node's process, even when that one is SIGKILLed
+        super().run()
 
     def __init__(
         self,

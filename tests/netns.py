@@ -15,7 +15,6 @@ import ipaddress
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -268,17 +267,6 @@ class HostSwarm(Swarm):
             )
         self.procs[name] = proc
         return proc
-
-    def crash(self, name: str) -> None:
-        """SIGKILL the node and every process it started (its DHT and averagers run in child processes, and
-        p2pd too; killing only the main process would leave them serving), as when its machine dies."""
-        self.expected_deaths.add(name)
-        proc = self.procs[name]
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(30)
 
     def close(self, names=None) -> None:
         for name in names or list(self.procs):

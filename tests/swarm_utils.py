@@ -59,6 +59,18 @@ def wait_for(
         time.sleep(0.5)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, grandchildren, ...), from /proc."""
+    from spes_node.procs import children
+
+    found, todo = [], [pid]
+    while todo:
+        for child in children(todo.pop()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def spes_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run `python -m spes_node.cli ARGS` and capture its output."""
     return subprocess.run(
@@ -97,10 +109,22 @@ class Swarm:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=dict(os.environ, **NODE_ENV),
+                start_new_session=True,
                 preexec_fn=die_with_parent,
             )
         self.procs[name] = proc
         return proc
+
+    def crash(self, name: str) -> None:
+        """SIGKILL the node and every process it started (its DHT and averager processes, p2pd), as when its
+        machine dies; `kill(name, SIGKILL)` kills the main process only."""
+        self.expected_deaths.add(name)
+        proc = self.procs[name]
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(30)
 
     def log(self, name: str) -> str:
         return (self.tmp / f"{name}.log").read_text()

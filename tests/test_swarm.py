@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from swarm_utils import Swarm
+from swarm_utils import Swarm, descendants, wait_for
 
 pytestmark = pytest.mark.swarm
 
@@ -142,9 +143,21 @@ def test_sigkill_does_not_stall_the_others(swarm_factory):
     for name in ("a", "b", "victim"):
         swarm.start(name, "--max-rounds", "4", "--wait-peers", "3")
     swarm.wait_for(lambda: min((n.round for n in swarm.nodes().values()), default=0) >= 1, 180, "round 1")
+    # SIGKILL of the node's own process only (the OOM killer): its DHT and averager processes and p2pd follow
+    helpers = descendants(swarm.procs["victim"].pid)
+    assert len(helpers) >= 3, helpers  # DHT, p2pd, two averagers
     swarm.kill("victim")
+    wait_for(lambda: not any(_alive(pid) for pid in helpers), 30, "the victim's helper processes to exit")
     for name in ("a", "b"):
         assert swarm.wait_exit(name, 240) == 0, swarm.log(name)[-3000:]
         s = swarm.summary(name)
         assert s["rounds_done"] == 4
         assert s["rounds"][-1]["shared_group"] == 2, s["rounds"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

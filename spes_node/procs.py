@@ -1,0 +1,63 @@
+"""A node's helper processes (hivemind's DHT and averagers, each with p2pd under the DHT) die with the node.
+
+hivemind starts them as daemonic multiprocessing children, which only helps on a clean exit. When the node's
+process is killed outright (the OOM killer, `kill -9`), they would go on running, holding memory, ports and a
+place in the swarm's DHT. So each child asks the kernel for SIGTERM when its parent dies (PR_SET_PDEATHSIG, Linux)
+and answers SIGTERM by killing its own children (p2pd) and exiting.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import signal
+import sys
+from pathlib import Path
+
+import hivemind
+
+PR_SET_PDEATHSIG = 1
+
+
+def bind_to_parent() -> None:
+    """Call first thing in a child process: it exits, with its own children, when its parent process dies."""
+    if not sys.platform.startswith("linux"):
+        return
+    signal.signal(signal.SIGTERM, lambda *_: exit_with_children())
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        exit_with_children()  # the parent died before the kernel was asked to tell us
+
+
+def exit_with_children() -> None:
+    for pid in children(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os._exit(0)
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of `pid`, from /proc."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(entry.name))
+    return out
+
+
+class NodeDHT(hivemind.DHT):
+    """`hivemind.DHT` whose process (and its p2pd) dies with the process that started it."""
+
+    def run(self) -> None:
+        bind_to_parent()
+        super().run()
