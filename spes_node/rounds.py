@@ -261,15 +261,22 @@ class SpesRound:
         highest = current
         for peers in gathered:
             for peer, value in peers.items():
-                if (
+                well_formed = (
                     isinstance(value, (list, tuple))
                     and len(value) == 3
                     and isinstance(value[0], int)
-                    and current <= value[0] <= current + 1000
-                ):
-                    highest = max(highest, value[0])
-                elif peer != self.node.peer_id:
-                    logger.warning(f"ignoring malformed round info from {peer}")
+                    and not isinstance(value[0], bool)
+                    and value[0] >= 0
+                )
+                if not well_formed:
+                    if peer != self.node.peer_id:
+                        logger.warning(f"ignoring malformed round info from {peer}")
+                elif value[0] <= current + 1000:
+                    highest = max(highest, value[0])  # a peer behind us does not lower the round
+                else:
+                    logger.warning(
+                        f"ignoring round {value[0]} from {peer}: more than 1000 rounds ahead of ours"
+                    )
         return highest + 1
 
     # ------------------------------------------------------------------ frozen experts

@@ -76,3 +76,18 @@ def test_frozen_snapshots_are_copied_again_only_after_the_weights_change():
             assert not torch.equal(second[name], first[name])
     finally:
         spes_round.loop.stop()
+
+
+def test_next_round_is_one_past_the_highest_sane_claim(caplog):
+    node = SimpleNamespace(cfg=load_preset("tiny"), status=SimpleNamespace(round=5), peer_id="me")
+    spes_round = SpesRound(node)
+    try:
+        assert spes_round._next_round({"me": (5, 0, 0), "behind": (2, 0, 0)}) == 6
+        assert "behind" not in caplog.text, "a peer behind us is not malformed"
+        assert spes_round._next_round({"me": (5, 0, 0)}, {"ahead": (9, 0, 0)}) == 10
+        # claims far ahead, negative, of the wrong type or shape are ignored with a warning
+        bad = {"far": (5000, 0, 0), "neg": (-1, 0, 0), "flag": (True, 0, 0), "text": "7", "short": (7,)}
+        assert spes_round._next_round({"me": (5, 0, 0), **bad}) == 6
+        assert all(peer in caplog.text for peer in bad)
+    finally:
+        spes_round.loop.stop()
