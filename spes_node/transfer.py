@@ -152,41 +152,31 @@ async def download_part(
     request = StateRequest(part=part, config_hash=config_hash, min_round=min_round)
     if swarm_key is not None:
         request.tag = swarm_key.join_tag(state_tag_prefix(run_id), p2p.peer_id.to_bytes())
-    metadata: dict | None = None
-    tensors: list[torch.Tensor] = []
-    parts: list = []
-    nbytes = 0
-
-    async def receive() -> None:
-        nonlocal metadata, nbytes
-        stream = await p2p.iterate_protobuf_handler(
-            peer, f"{HANDLER_PREFIX}.{run_id}", request, averaging_pb2.DownloadData
-        )
-        async for message in stream:
-            if message.metadata and metadata is None:
-                if len(message.metadata) > MAX_METADATA_BYTES:
-                    raise TransferError("metadata too large")
-                metadata = json.loads(message.metadata)
-            if message.tensor_part.dtype and parts:
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                parts.clear()
-            nbytes += len(message.tensor_part.buffer)
-            parts.append(message.tensor_part)
-            if len(tensors) > len(expected):
-                raise TransferError("more tensors than expected")
-        if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-
-    async def dial_and_receive() -> None:
-        await relay.dial(p2p, peer, circuits)
-        await receive()
-
-    try:
-        await asyncio.wait_for(dial_and_receive(), timeout)
-    except TransferError:
-        raise
-    except Exception as e:
-        raise TransferError(f"{part} from {peer}: {type(e).__name__}: {e}") from None
+    handler = f"{HANDLER_PREFIX}.{run_id}"
+    deadline = time.monotonic() + timeout
+    nbytes, attempt = 0, 0
+    while True:
+        attempt += 1
+        try:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise asyncio.TimeoutError()
+            metadata, tensors, got = await asyncio.wait_for(
+                _receive(p2p, peer, handler, request, expected, circuits), remaining
+            )
+            nbytes += got
+            break
+        except _Truncated as e:
+            nbytes += e.nbytes
+            # the stream closed before the end (hivemind reports a closed connection as the end of the stream);
+            # the next attempt opens a new stream
+            if attempt >= DOWNLOAD_ATTEMPTS:
+                raise TransferError(f"{part} from {peer}: {e} ({attempt} attempts)") from None
+            logger.info(f"{part} from {peer}: {e}; retrying")
+        except TransferError:
+            raise
+        except Exception as e:
+            raise TransferError(f"{part} from {peer}: {type(e).__name__}: {e}") from None
     if metadata is None:
         raise TransferError(f"{part} from {peer}: peer has no such state")
     return Download(
@@ -195,6 +185,51 @@ async def download_part(
         nbytes=nbytes,
         seconds=time.perf_counter() - start,
     )
+
+
+DOWNLOAD_ATTEMPTS = 3
+"""Streams that end early are retried this many times in all (within the download's timeout)."""
+
+
+class _Truncated(Exception):
+    def __init__(self, message: str, nbytes: int):
+        super().__init__(message)
+        self.nbytes = nbytes
+
+
+async def _receive(p2p: P2P, peer: PeerID, handler: str, request: StateRequest, expected, circuits):
+    """One attempt: (metadata, tensors, bytes received); raises `_Truncated` if the stream ends too early."""
+    await relay.dial(p2p, peer, circuits)
+    metadata: dict | None = None
+    tensors: list[torch.Tensor] = []
+    parts: list = []
+    nbytes = 0
+
+    def finish_tensor() -> None:
+        if parts[0].chunks and len(parts) != parts[0].chunks:
+            raise _Truncated(
+                f"stream ended within a tensor ({len(parts)} of {parts[0].chunks} chunks)", nbytes
+            )
+        tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        parts.clear()
+
+    stream = await p2p.iterate_protobuf_handler(peer, handler, request, averaging_pb2.DownloadData)
+    async for message in stream:
+        if message.metadata and metadata is None:
+            if len(message.metadata) > MAX_METADATA_BYTES:
+                raise TransferError("metadata too large")
+            metadata = json.loads(message.metadata)
+        if message.tensor_part.dtype and parts:
+            finish_tensor()
+        nbytes += len(message.tensor_part.buffer)
+        parts.append(message.tensor_part)
+        if len(tensors) > len(expected):
+            raise TransferError("more tensors than expected")
+    if parts:
+        finish_tensor()
+    if metadata is not None and len(tensors) < len(expected):
+        raise _Truncated(f"stream ended after {len(tensors)} of {len(expected)} tensors", nbytes)
+    return metadata, tensors, nbytes
 
 
 def validate_tensors(
