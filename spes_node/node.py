@@ -217,6 +217,9 @@ class Node:
         self.status.state = "training"
         self.publish_record()
         self._wait_for_peers()
+        # replicas that started together may have taken the same data part; settle it before the first step
+        # (after a round it would cost the mover the time to re-read its data while the others match)
+        self.sync.settle_data_part()
         if self._resume_rng is not None:
             set_rng_state(self._resume_rng)  # last, so that nothing in startup draws from the restored state
         logger.info(

@@ -442,8 +442,8 @@ class SpesRound:
             f"data part {current} is also read by another replica of shard {node.shard}: taking {part}"
         )
         node.batcher.set_part(part, num_parts)
+        # announced by the next heartbeat: a DHT store here would delay this node's next step
         node.data_part = (part, num_parts)
-        node.publish_record()
 
     def maybe_rebalance(self) -> None:
         node, swarm = self.node, self.cfg.swarm
