@@ -22,45 +22,16 @@ import sys
 import time
 from pathlib import Path
 
-try:
-    import psutil
-except ImportError:
-    psutil = None
-
 from spes_node import records
 from spes_node.bootstrap import start_bootstrap
 from spes_node.config import load_preset
+from spes_node.procs import descendants
 
 RUN_ID = "soak"
 
 
-def children_by_parent() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        tree.setdefault(ppid, []).append(int(entry.name))
-    return tree
-
-
 def process_tree(root: int) -> list[int]:
-    if psutil is not None:
-        try:
-            parent = psutil.Process(root)
-            return [root, *(p.pid for p in parent.children(recursive=True))]
-        except psutil.NoSuchProcess:
-            return []
-    tree, pids, todo = children_by_parent(), [], [root]
-    while todo:
-        pid = todo.pop()
-        pids.append(pid)
-        todo.extend(tree.get(pid, []))
-    return pids
+    return [root, *descendants(root)]
 
 
 def memory_kb(pid: int) -> dict | None:

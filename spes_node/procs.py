@@ -42,7 +42,21 @@ def exit_with_children() -> None:
 
 def children(pid: int) -> list[int]:
     """Direct children of `pid`, from /proc."""
-    out = []
+    return _children_by_parent().get(pid, [])
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, grandchildren, ...), from one read of /proc."""
+    tree, found, todo = _children_by_parent(), [], [pid]
+    while todo:
+        below = tree.get(todo.pop(), [])
+        found.extend(below)
+        todo.extend(below)
+    return found
+
+
+def _children_by_parent() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -50,9 +64,8 @@ def children(pid: int) -> list[int]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            out.append(int(entry.name))
-    return out
+        tree.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+    return tree
 
 
 class NodeDHT(hivemind.DHT):

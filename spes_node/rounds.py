@@ -213,8 +213,9 @@ class SpesRound:
             refreshed = self.finish_pending()
             self.merge(sync_step)
             self.publish_snapshots()
-        self.maybe_rebalance()
-        self.settle_data_part()
+        nodes = records.fetch_nodes(node.dht, node.opts.run_id, swarm.num_shards)  # one read for both
+        self.maybe_rebalance(dict(nodes))
+        self.settle_data_part(nodes)
         seconds = time.perf_counter() - flight["started"]
         self.last_report = {
             "round": node.status.round,
@@ -427,11 +428,14 @@ class SpesRound:
             f"downloaded the swarm state ({total / 1e6:.2f} MB) in {node.join_seconds:.1f}s, round {node.status.round}"
         )
 
-    def settle_data_part(self) -> None:
-        """Move to another data part if a replica with a smaller peer id reads ours (`sharding.data_part`)."""
+    def settle_data_part(self, nodes: dict | None = None) -> None:
+        """Move to another data part if a replica with a smaller peer id reads ours (`sharding.data_part`).
+
+        `nodes`: the swarm's records, if just read; our own is ignored."""
         node, swarm = self.node, self.cfg.swarm
-        nodes = records.fetch_nodes(node.dht, node.opts.run_id, swarm.num_shards)
-        nodes.pop(node.peer_id, None)
+        if nodes is None:
+            nodes = records.fetch_nodes(node.dht, node.opts.run_id, swarm.num_shards)
+        nodes = {peer: n for peer, n in nodes.items() if peer != node.peer_id}
         current = node.data_part[0]
         part, num_parts = data_part(
             nodes, node.peer_id, node.shard, swarm.num_shards, swarm.replication_target, current=current
@@ -445,9 +449,9 @@ class SpesRound:
         # announced by the next heartbeat: a DHT store here would delay this node's next step
         node.data_part = (part, num_parts)
 
-    def maybe_rebalance(self) -> None:
+    def maybe_rebalance(self, nodes: dict) -> None:
+        """`nodes`: the swarm's records as just read (changed here)."""
         node, swarm = self.node, self.cfg.swarm
-        nodes = records.fetch_nodes(node.dht, node.opts.run_id, swarm.num_shards)
         nodes[node.peer_id] = node.node_info()
         new = plan_rebalance(nodes, node.peer_id, swarm.num_shards, swarm.replication_target)
         if new is None or new == node.shard:

@@ -59,18 +59,6 @@ def wait_for(
         time.sleep(0.5)
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (children, grandchildren, ...), from /proc."""
-    from spes_node.procs import children
-
-    found, todo = [], [pid]
-    while todo:
-        for child in children(todo.pop()):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def spes_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run `python -m spes_node.cli ARGS` and capture its output."""
     return subprocess.run(

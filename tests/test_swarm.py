@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from swarm_utils import Swarm, descendants, wait_for
+from swarm_utils import Swarm, wait_for
+
+from spes_node.procs import descendants
 
 pytestmark = pytest.mark.swarm
 
