@@ -142,8 +142,8 @@ def _wrap_shutdown(original):
 
 
 def _wrap_data_part(original):
-    def data_part(nodes, peer_id, shard, num_shards, replication_target, current=None):
-        chosen = original(nodes, peer_id, shard, num_shards, replication_target, current=current)
+    def data_part(*args, **kwargs):
+        chosen = original(*args, **kwargs)
         TIMELINE["data_part"]["chosen"] = list(chosen)
         pinned = os.environ.get("SPES_BENCH_DATA_PART")
         if not pinned:

@@ -179,13 +179,30 @@ class TokenBatcher:
         self._offset = state["offset"]
 
     def set_part(self, part: int, num_parts: int) -> None:
-        """Read another part from now on, from the start of the current epoch of that part."""
+        """Read another part from now on.
+
+        When one part's documents contain the other's (same part index, num_parts halved or doubled as nodes
+        come and go, see `sharding.data_part`), the stream goes on from the next shuffle window: the rest of
+        the current one, chosen by the old part, is left for this epoch. Otherwise it starts the new part at
+        the start of the current epoch.
+        """
         _check_part(part, num_parts)
         if (part, num_parts) == (self.part, self.num_parts):
             return
         logger.info("data: switching from part %d/%d to %d/%d", self.part, self.num_parts, part, num_parts)
+        small, large = sorted((self.num_parts, num_parts))
+        if large % small or part % small != self.part % small:
+            self.part, self.num_parts = part, num_parts
+            self._rewind(self._epoch)
+            return
+        if self._doc or self._offset:
+            while self._docs is None:  # just restored: the window in progress is read again to find its end
+                self._read_window()
+            self._window += 1
+            self._window_start = self._window_end
+            self._doc = self._offset = 0
+        self._docs = self._rows = None
         self.part, self.num_parts = part, num_parts
-        self._rewind(self._epoch)
 
     def _identity(self) -> dict:
         return {

@@ -174,15 +174,10 @@ class Node:
 
         tokenizer = load_tokenizer(self.cfg.data.tokenizer)
         spec = opts.data or self.cfg.data.source
-        # a restarted node keeps its part (and so its place in the data) unless another holder took it meanwhile
+        # a restarted node keeps its part (and so its place in the data) unless another node took it meanwhile
         resumed_part = checkpoint.meta.get("data_part") if checkpoint is not None else None
         part, num_parts = data_part(
-            nodes,
-            self.peer_id,
-            shard,
-            self.cfg.swarm.num_shards,
-            self.cfg.swarm.replication_target,
-            current=int(resumed_part[0]) if resumed_part else None,
+            nodes, self.peer_id, current=int(resumed_part[0]) if resumed_part else None
         )
         self.batcher = TokenBatcher(
             spec,
@@ -224,7 +219,7 @@ class Node:
             set_rng_state(self._resume_rng)  # last, so that nothing in startup draws from the restored state
         logger.info(
             f"node {self.peer_id} training shard {shard} ({self.cfg.name}, round {self.status.round}, "
-            f"data part {part}/{num_parts}, device {self.device})"
+            f"data part {self.data_part[0]}/{self.data_part[1]}, device {self.device})"
         )
         self.metrics = NodeMetrics(opts.metrics_port)
         self.metrics.update(self.status, None, step=self.trainer.step)
@@ -340,8 +335,11 @@ class Node:
         self.status.loss_history = list(meta.get("loss_history", []))
         self.round_losses = [float(x) for x in meta.get("round_losses", [])]
         self.steps_into_round = int(meta.get("steps_into_round", 0))
-        if meta.get("data_part") == list(self.data_part) and meta.get("data_state") is not None:
+        saved_part = meta.get("data_part")
+        if saved_part and saved_part[0] == self.data_part[0] and meta.get("data_state") is not None:
             self.batcher.load_state_dict(meta["data_state"])
+            # nodes came or went meanwhile: the same part, read narrower or wider from where it was
+            self.batcher.set_part(*self.data_part)
         self._resume_rng = meta.get("rng")
         logger.info(
             f"resumed from {checkpoint.path.name}: round {self.status.round}, step {self.trainer.step}"

@@ -429,7 +429,8 @@ class SpesRound:
         )
 
     def settle_data_part(self, nodes: dict | None = None) -> None:
-        """Move to another data part if a replica with a smaller peer id reads ours (`sharding.data_part`).
+        """Move to another data part if a node with a smaller peer id reads ours, or narrow or widen ours as nodes
+        come and go (`sharding.data_part`).
 
         `nodes`: the swarm's records, if just read; our own is ignored."""
         node, swarm = self.node, self.cfg.swarm
@@ -437,14 +438,15 @@ class SpesRound:
             nodes = records.fetch_nodes(node.dht, node.opts.run_id, swarm.num_shards)
         nodes = {peer: n for peer, n in nodes.items() if peer != node.peer_id}
         current = node.data_part[0]
-        part, num_parts = data_part(
-            nodes, node.peer_id, node.shard, swarm.num_shards, swarm.replication_target, current=current
-        )
+        part, num_parts = data_part(nodes, node.peer_id, current=current)
         if (part, num_parts) == tuple(node.data_part):
             return
-        logger.info(
-            f"data part {current} is also read by another replica of shard {node.shard}: taking {part}"
-        )
+        if part == current:
+            logger.info(
+                f"data part {part}: {num_parts} parts instead of {node.data_part[1]} (nodes came or went)"
+            )
+        else:
+            logger.info(f"data part {current} is also read by a node with a smaller peer id: taking {part}")
         node.batcher.set_part(part, num_parts)
         # announced by the next heartbeat: a DHT store here would delay this node's next step
         node.data_part = (part, num_parts)
@@ -474,13 +476,7 @@ class SpesRound:
         self.shard_avg.shutdown()
         self.shard_avg = self._averager(f"shard{new}", self._shard_cpu(new))
         self.shard_outer = self._outer(shard_tensors(node.model, new))
-        nodes.pop(node.peer_id, None)
-        part_index, num_parts = data_part(
-            nodes, node.peer_id, new, swarm.num_shards, swarm.replication_target
-        )
-        node.batcher.set_part(part_index, num_parts)
-        node.data_part = (part_index, num_parts)
-        self.publish_snapshots()
+        self.publish_snapshots()  # the data part is the node's, whatever its shard: it stays
         node.publish_record()
         logger.info(f"now training shard {new} (was {old})")
 

@@ -6,7 +6,7 @@ every node trains them. A node trains the experts of the shards it owns; every o
 
 from __future__ import annotations
 
-from collections import Counter
+import itertools
 from collections.abc import Iterable
 
 import torch
@@ -81,28 +81,50 @@ def load_dense_state_dict(model: MoEForCausalLM, state: dict[str, torch.Tensor])
         load_shard_tensors(model, shard, state)
 
 
-def data_part(
-    nodes, peer_id: str, shard: int, num_shards: int, replication_target: int, current: int | None = None
-) -> tuple[int, int]:
-    """This node's part of the data: (part, num_parts), disjoint from the parts other live nodes announce.
+def data_part(nodes, peer_id: str, current: int | None = None) -> tuple[int, int]:
+    """This node's part of the data, (part, num_parts), disjoint from what every other live node reads.
 
-    Each shard has `replication_target` parts, so nodes that hold different shards read different documents. A
-    node takes the lowest part of its shard that no other holder announces in its record (`NodeInfo.data_part`);
-    when all are taken (more replicas than the target), the least read one.
+    `nodes`: the swarm's records by peer id (our own, if present, is ignored); `current`: the part this node
+    reads now (or read before a restart), None when it has none. Shards play no part: any two nodes read
+    different documents, whatever the number of replicas of their shards.
 
-    `current`: the part the node reads now. It keeps it unless a holder with a smaller peer id announces the same
-    part, which happens when two replicas start at the same moment and neither sees the other yet: the one with
-    the larger peer id then moves, the other stays, so the swarm settles without both moving.
+    Part index: global, one per node, announced in the record (`NodeInfo.data_part`). A node keeps `current`
+    unless a node with a smaller peer id announces the same index (two nodes that started at the same moment,
+    or a part taken while its node was down); the others with a taken index, in peer id order, and then a
+    node without one, take the lowest indices nobody announces, in order. Nodes that see the same records so
+    reach distinct indices in one step, and a node keeps its index, hence its place in the data, for as long
+    as it lives and across restarts.
+
+    Documents: `TokenBatcher` reads training document t when t % num_parts == part. Here num_parts is the
+    smallest power of two above the part index at which no other node's index (after the moves above) is
+    congruent to ours; it changes as nodes come and go, and a change of num_parts for the same index only
+    narrows or widens the documents read (`TokenBatcher.set_part` then keeps the position).
+    Disjointness: let p != q with num_parts L_p <= L_q (both powers of two, so L_p divides L_q). A document
+    t read by both has t = q (mod L_q), hence t = q (mod L_p), and t = p (mod L_p), so q = p (mod L_p),
+    which the choice of L_p excludes. This holds once the nodes have read each other's records (at startup,
+    after --wait-peers, and every round); until then a new node may read documents that a node whose
+    num_parts it halves still reads. Coverage: when the indices in use are 0..n-1 with 2^(k-1) < n <= 2^k,
+    every document is read: index r < 2^(k-1) reads the documents r mod 2^(k-1) alone, or splits them with
+    index r + 2^(k-1) at num_parts 2^k. An index whose node is gone stays unread until a new node takes it.
     """
-    num_parts = num_shards * replication_target
-    slots = range(shard * replication_target, (shard + 1) * replication_target)
-    announced = {
-        p: n.data_part
-        for p, n in nodes.items()
-        if p != peer_id and shard in n.shards and n.state != "leaving" and n.data_part is not None
+    claims = {
+        peer: n.data_part
+        for peer, n in nodes.items()
+        if peer != peer_id and n.state != "leaving" and n.data_part is not None and n.data_part >= 0
     }
-    if current is not None and 0 <= current < num_parts:
-        if not any(part == current and p < peer_id for p, part in announced.items()):
-            return current, num_parts
-    counts = Counter(part for part in announced.values() if part in slots)
-    return min(slots, key=lambda part: (counts[part], part)), num_parts
+    if current is not None and current >= 0:
+        claims[peer_id] = current
+    owners: dict[int, str] = {}
+    for peer in sorted(claims):
+        owners.setdefault(claims[peer], peer)
+    movers = sorted(peer for peer, part in claims.items() if owners[part] != peer)
+    if peer_id not in claims:
+        movers.append(peer_id)
+    free = (index for index in itertools.count() if index not in owners)
+    settled = {peer: part for part, peer in owners.items()} | dict(zip(movers, free))
+    part = settled.pop(peer_id)
+    others = set(settled.values())
+    num_parts = 1
+    while num_parts <= part or any(q % num_parts == part for q in others):
+        num_parts *= 2
+    return part, num_parts

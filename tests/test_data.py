@@ -13,6 +13,8 @@ from tokenizers import normalizers
 
 from spes_node import data
 from spes_node.data import DataSpec, TokenBatcher, is_validation, stdlib_files, validation_batches
+from spes_node.records import NodeInfo
+from spes_node.sharding import data_part
 from spes_node.tokenizer import load_tokenizer
 
 EOS = 258
@@ -247,6 +249,72 @@ def test_set_part(tok, corpus):
     assert b.state_dict()["part"] == 1
     with pytest.raises(ValueError, match="part must be in"):
         b.set_part(2, 2)
+
+
+def _doc_numbers(batches) -> list[int]:
+    return [int(s[4:8]) for s in _segments(batches) if DOC_RE.match(s)]
+
+
+def test_four_replicas_of_one_shard_read_disjoint_batches(tok, tmp_path):
+    """Four holders of one shard (replication target 2) that started together: once they have seen each other's
+    records, the batches they read share no document, and together they read every training document."""
+    _write_jsonl(tmp_path / "docs.jsonl", range(200))
+    peers = ["QmA", "QmB", "QmC", "QmD"]
+    started = {peer: data_part({}, peer) for peer in peers}  # nobody has announced a part yet
+    records = {
+        peer: NodeInfo(peer_id=peer, shards=[0], state="training", data_part=started[peer][0])
+        for peer in peers
+    }
+    settled = {peer: data_part(records, peer, current=started[peer][0]) for peer in peers}
+    seen = {}
+    for peer, (part, num_parts) in settled.items():
+        b = TokenBatcher(
+            str(tmp_path / "docs.jsonl"), tok, seq_len=15, batch_size=4, part=part, num_parts=num_parts, seed=0,
+            val_fraction=0.1,
+        )  # fmt: skip
+        batches = [b.next_batch() for _ in range(30)]  # more than an epoch of a part
+        assert len({tuple(row.tolist()) for batch in batches for row in batch}) > 20
+        seen[peer] = set(_doc_numbers(batches))
+    for i, a in enumerate(peers):
+        for b in peers[i + 1 :]:
+            assert not seen[a] & seen[b], (a, b, settled, sorted(seen[a] & seen[b])[:5])
+    train = {i for i in range(200) if not is_validation(i, 0.1)}
+    assert set().union(*seen.values()) == train
+
+
+def _narrowed(
+    tok, spec: str, old: tuple[int, int], new: tuple[int, int], before: int, after: int, restore: bool
+):
+    """Doc numbers read in `before` batches of part `old`, then in `after` batches once switched to `new`
+    (by a batcher restored from the state at the switch, as a restarted node, with `restore`)."""
+    b = TokenBatcher(spec, tok, seq_len=15, batch_size=4, part=old[0], num_parts=old[1], val_fraction=0.0)
+    first = [b.next_batch() for _ in range(before)]
+    if restore:
+        state = json.loads(json.dumps(b.state_dict()))
+        b = TokenBatcher(spec, tok, seq_len=15, batch_size=4, part=new[0], num_parts=new[1], val_fraction=0.0)
+        b.load_state_dict(state)
+    b.set_part(*new)
+    assert (b.part, b.num_parts) == new
+    return _doc_numbers(first), [b.next_batch() for _ in range(after)]
+
+
+@pytest.mark.parametrize("restore", [False, True])
+@pytest.mark.parametrize("old, new", [((1, 2), (1, 4)), ((1, 4), (1, 2))])
+def test_set_part_narrower_or_wider_goes_on_where_it_was(tok, tmp_path, monkeypatch, old, new, restore):
+    """num_parts halved or doubled for the same part (nodes came or went): the stream goes on after the
+    current shuffle window instead of starting the epoch again; a restored batcher does the same."""
+    monkeypatch.setattr(data, "SHUFFLE_WINDOW", 4)
+    _write_jsonl(tmp_path / "docs.jsonl", range(400))
+    spec = str(tmp_path / "docs.jsonl")
+    before, after = _narrowed(tok, spec, old, new, 6, 6, restore)
+    later = _doc_numbers(after)
+    assert before and len(later) >= 8
+    assert all(t % old[1] == old[0] for t in before)
+    assert all(t % new[1] == new[0] for t in later), later
+    assert min(later) > max(before), (before, later)
+    # the restored batcher reads what the running one reads
+    _, running = _narrowed(tok, spec, old, new, 6, 6, False)
+    assert all(torch.equal(x, y) for x, y in zip(after, running))
 
 
 # --- exact resume ---

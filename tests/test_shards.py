@@ -135,26 +135,103 @@ def _holder(peer: str, shard: int, part: int | None = None, state: str = "traini
     return NodeInfo(peer_id=peer, shards=[shard], state=state, data_part=part)
 
 
-def test_data_part_takes_the_lowest_part_nobody_reads():
-    # shard 1 of 4 with 2 replicas per shard: parts 2 and 3 of 8
-    assert data_part({}, "B", 1, 4, 2) == (2, 8)
-    assert data_part({"A": _holder("A", 1, 2)}, "B", 1, 4, 2) == (3, 8)
-    assert data_part({"A": _holder("A", 1, 3)}, "B", 1, 4, 2) == (2, 8)
-    # other shards' holders and leaving nodes do not count; holders without a part yet neither
-    nodes = {"A": _holder("A", 0, 0), "C": _holder("C", 1, 2, state="leaving"), "D": _holder("D", 1)}
-    assert data_part(nodes, "B", 1, 4, 2) == (2, 8)
-    # more replicas than the target share the least read part
-    nodes = {"A": _holder("A", 1, 2), "C": _holder("C", 1, 3), "D": _holder("D", 1, 2)}
-    assert data_part(nodes, "B", 1, 4, 2) == (3, 8)
+def _settle(parts: dict[str, int | None], shards: dict[str, int] | None = None) -> dict[str, tuple[int, int]]:
+    """Every node's data_part given the others' announced parts (each node ignores its own record)."""
+    shards = shards or {}
+    records = {peer: _holder(peer, shards.get(peer, 0), part) for peer, part in parts.items()}
+    return {peer: data_part(records, peer, current=parts[peer]) for peer in parts}
 
 
-def test_simultaneous_replicas_settle_on_different_parts():
-    # A and B started together and both took part 2; after a round they see each other's records
-    a, b = _holder("A", 1, 2), _holder("B", 1, 2)
-    assert data_part({"B": b}, "A", 1, 4, 2, current=2) == (2, 8), "the smaller peer id stays"
-    assert data_part({"A": a}, "B", 1, 4, 2, current=2) == (3, 8), "the larger one moves"
+def _assert_disjoint(assigned: dict[str, tuple[int, int]], documents: int = 4096) -> set[int]:
+    """Training documents 0..documents-1 that some node reads; fails if two nodes read the same one."""
+    reader: dict[int, str] = {}
+    for peer, (part, num_parts) in assigned.items():
+        assert 0 <= part < num_parts and num_parts & (num_parts - 1) == 0, (peer, part, num_parts)
+        for t in range(part, documents, num_parts):
+            assert t not in reader, f"document {t} read by {reader[t]} and {peer}: {assigned}"
+            reader[t] = peer
+    return set(reader)
+
+
+def test_data_part_takes_the_lowest_index_nobody_announces_whatever_the_shard():
+    assert data_part({}, "B") == (0, 1), "alone: every document"
+    assert data_part({"A": _holder("A", 1, 0)}, "B") == (1, 2)
+    assert data_part({"A": _holder("A", 0, 0)}, "B") == (1, 2), "a node of another shard counts too"
+    assert data_part({"A": _holder("A", 1, 1)}, "B") == (0, 2)
+    # leaving nodes and nodes without a part yet do not count
+    nodes = {"A": _holder("A", 0, 0), "C": _holder("C", 1, 1, state="leaving"), "D": _holder("D", 1)}
+    assert data_part(nodes, "B") == (1, 2)
+    # our own record, if the caller left it in, is ignored
+    assert data_part({"B": _holder("B", 1, 0)}, "B") == (0, 1)
+
+
+def test_four_replicas_of_one_shard_settle_on_four_disjoint_parts_in_one_step():
+    # target 2, four holders of shard 0 that started together: all took part 0 before seeing each other
+    started = {peer: data_part({}, peer) for peer in "DBCA"}
+    assert set(started.values()) == {(0, 1)}
+    settled = _settle({peer: 0 for peer in "ABCD"})
+    assert settled == {"A": (0, 4), "B": (1, 4), "C": (2, 4), "D": (3, 4)}
+    assert _assert_disjoint(settled) == set(range(4096)), "four parts of four: every document is read"
     # once apart, nobody moves again
-    assert data_part({"B": _holder("B", 1, 3)}, "A", 1, 4, 2, current=2) == (2, 8)
-    assert data_part({"A": a}, "B", 1, 4, 2, current=3) == (3, 8)
-    # a kept part may be outside the shard's own range (a restarted node, a pinned benchmark): kept while unique
-    assert data_part({"A": a}, "B", 1, 4, 2, current=6) == (6, 8)
+    assert _settle({peer: part for peer, (part, _) in settled.items()}) == settled
+
+
+def test_sixteen_nodes_on_four_shards_read_disjoint_parts_as_nodes_come_and_go():
+    peers = [f"p{i:02d}" for i in range(16)]
+    shards = {peer: i % 4 for i, peer in enumerate(peers)}
+    parts: dict[str, int | None] = {}
+    for peer in peers:  # one at a time, each sees the earlier ones
+        parts[peer] = _settle({**parts, peer: None}, shards)[peer][0]
+    assert sorted(parts.values()) == list(range(16))
+    assigned = _settle(parts, shards)
+    assert set(assigned.values()) == {(i, 16) for i in range(16)}
+    assert _assert_disjoint(assigned) == set(range(4096))
+    # five leave: the rest keep their indices, some read more, nothing is read twice
+    for peer in ("p03", "p07", "p08", "p12", "p15"):
+        del parts[peer]
+    after = _settle(parts, shards)
+    assert {peer: part for peer, (part, _) in after.items()} == parts
+    assert len(_assert_disjoint(after)) > len(after) * 4096 // 16
+    # three join: they take the lowest free indices; still disjoint
+    for peer in ("n1", "n2", "n3"):
+        parts[peer] = _settle({**parts, peer: None}, shards)[peer][0]
+    assert [parts[peer] for peer in ("n1", "n2", "n3")] == [3, 7, 8]
+    _assert_disjoint(_settle(parts, shards))
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 5, 6, 7, 9, 12, 17, 33])
+def test_contiguous_parts_are_disjoint_and_read_everything(count):
+    assigned = _settle({f"p{i:02d}": i for i in range(count)})
+    assert [part for part, _ in assigned.values()] == list(range(count))
+    assert _assert_disjoint(assigned) == set(range(4096))
+    sizes = {num_parts for _, num_parts in assigned.values()}
+    assert max(sizes) <= 2 * min(sizes) and max(sizes) < 2 * count + 1
+
+
+def test_num_parts_follows_the_nodes_for_the_same_index():
+    five = {peer: i for i, peer in enumerate("ABCDE")}
+    assert _settle(five)["A"] == (0, 8), "E reads 4 of 8, A keeps 0 of 8"
+    four = {peer: i for i, peer in enumerate("ABCD")}
+    assert _settle(four)["A"] == (0, 4), "E gone: A reads 0 of 4 again"
+
+
+def test_restarted_node_keeps_its_part():
+    # C restarts with part 2 from its checkpoint while 0 and 1 are taken, and 3 was read by a node now gone
+    others = {"A": _holder("A", 0, 0), "B": _holder("B", 1, 1)}
+    assert data_part(others, "C", current=2) == (2, 4), "not the lowest free index: its own"
+    # a node that took the index while C was down: the smaller peer id keeps it, the other moves
+    assert data_part({**others, "Z": _holder("Z", 1, 2)}, "C", current=2) == (2, 4)
+    assert data_part({**others, "C": _holder("C", 1, 2)}, "Z", current=2) == (3, 4)
+    assert data_part({**others, "B0": _holder("B0", 1, 2)}, "C", current=2) == (3, 4)
+    # a restarted node whose index is far above the others keeps it too; nobody's documents overlap
+    assigned = _settle({"A": 0, "B": 1, "C": 6})
+    assert assigned["C"] == (6, 8)
+    _assert_disjoint(assigned)
+
+
+def test_simultaneous_movers_and_newcomers_do_not_collide_again():
+    # A keeps 0; B and C both claimed 0 and move to the lowest free indices in peer id order, skipping 1 (D's)
+    parts = {"A": 0, "B": 0, "C": 0, "D": 1}
+    assert _settle(parts) == {"A": (0, 4), "B": (2, 4), "C": (3, 4), "D": (1, 4)}
+    records = {peer: _holder(peer, 0, part) for peer, part in parts.items()}
+    assert data_part(records, "E") == (4, 8), "a node without a part comes after the movers"
