@@ -20,6 +20,7 @@ import os
 import random
 import re
 import shutil
+import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,7 +100,10 @@ class CheckpointManager:
             optimizer_tensors = _prepare(optimizer_tensors, "optimizer")
 
         self._ensure_directory()
-        self._clean_leftovers()
+        try:
+            self._clean_leftovers()
+        except OSError as e:
+            raise CheckpointError(f"checkpoint directory {self.directory} is unusable: {os_reason(e)}") from e
         newer = [s for s in self._checkpoint_dirs() if s > step]
         if newer:
             logger.warning(
@@ -127,9 +131,11 @@ class CheckpointManager:
             _write_bytes(tmp / META_FILE, json.dumps(document, indent=1).encode())
             _fsync_dir(tmp)
             self._install(tmp, final)
-        except OSError as e:
+        except (OSError, SafetensorError) as e:
+            # SafetensorError: safetensors reports a full disk or a failed write as its own error, not an OSError
             shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"cannot write checkpoint {final}: {e.strerror or e}") from e
+            reason = (e.strerror if isinstance(e, OSError) else None) or str(e) or type(e).__name__
+            raise CheckpointError(f"cannot write checkpoint {final}: {reason}") from e
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -184,9 +190,7 @@ class CheckpointManager:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise CheckpointError(
-                f"checkpoint directory {self.directory} is unusable: {e.strerror or e}"
-            ) from e
+            raise CheckpointError(f"checkpoint directory {self.directory} is unusable: {os_reason(e)}") from e
 
     def _clean_leftovers(self) -> None:
         """Remove what a crashed writer left behind; put back a checkpoint that was being replaced."""
@@ -224,6 +228,32 @@ class CheckpointManager:
                 continue
             shutil.rmtree(doomed, ignore_errors=True)
             logger.debug("pruned checkpoint %s", path)
+
+
+def os_reason(error: OSError) -> str:
+    """A short reason for an OSError from making or writing a path, e.g. 'Read-only file system'."""
+    if isinstance(error, FileExistsError):
+        return "Not a directory"  # mkdir(exist_ok=True) fails so only when the path or a parent is a file
+    return error.strerror or str(error) or type(error).__name__
+
+
+def prepare_directory(directory: str | Path, replaced: tuple[str, ...] = ()) -> None:
+    """Create `directory` if needed and check that files can be written in it and that the files named in
+    `replaced`, where they exist, may be replaced; raises CheckpointError saying why not.
+
+    A node calls this before it starts anything, so that a read-only or unusable directory is one clear error
+    at startup rather than a traceback at the first write."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise CheckpointError(f"checkpoint directory {directory} is unusable: {os_reason(e)}") from None
+    for name in replaced:
+        path = directory / name
+        if path.exists() and not os.access(path, os.W_OK):
+            raise CheckpointError(f"{path} is read-only: the node rewrites it; make it writable or remove it")
 
 
 def flatten_state(obj: Any) -> tuple[dict[str, torch.Tensor], Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ PRESETS_DIR = Path(__file__).resolve().parent / "presets"  # also reachable as c
 FROZEN_DTYPES = ("fp32", "bf16", "int8")
 OUTER_OPTIMIZERS = ("average", "nesterov")
 WIRE_COMPRESSIONS = ("none", "fp16", "uint8")
+MAX_HEARTBEAT_S = 3600.0
+"""Longest heartbeat period: records expire after 3 heartbeats, so a dead node shows for up to 3 of them."""
 
 
 @dataclass
@@ -67,6 +70,7 @@ class ModelConfig:
         return self.hidden_size // self.num_heads
 
     def validate(self) -> None:
+        _require_finite(self, "model")
         for name in (
             "vocab_size",
             "hidden_size",
@@ -82,6 +86,11 @@ class ModelConfig:
         _require(self.num_heads % self.kv_heads == 0, "model.num_kv_heads", "must divide model.num_heads")
         _require(self.top_k <= self.num_experts, "model.top_k", "must be <= model.num_experts")
         _require(self.max_seq_len > 0, "model.max_seq_len", "must be positive")
+        _require(self.rope_theta > 0, "model.rope_theta", "must be positive")
+        _require(self.rms_norm_eps > 0, "model.rms_norm_eps", "must be positive")
+        _require(self.init_std >= 0, "model.init_std", "must be >= 0")
+        _require(self.z_loss >= 0, "model.z_loss", "must be >= 0")
+        _require(self.lb_loss >= 0, "model.lb_loss", "must be >= 0")
 
 
 @dataclass
@@ -125,6 +134,7 @@ class TrainConfig:
     """Validation batches used for evaluation loss."""
 
     def validate(self) -> None:
+        _require_finite(self, "train")
         for name in (
             "seq_len",
             "micro_batch_size",
@@ -137,6 +147,7 @@ class TrainConfig:
         _require(self.lr > 0, "train.lr", "must be positive")
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", "must be in [0, 1]")
         _require(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        _require(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
         _require(0 <= self.beta1 < 1, "train.beta1", "must be in [0, 1)")
         _require(0 <= self.beta2 < 1, "train.beta2", "must be in [0, 1)")
         _require(self.grad_clip >= 0, "train.grad_clip", "must be >= 0")
@@ -185,6 +196,7 @@ class SwarmConfig:
     """K: most similar experts each expert is pulled towards."""
 
     def validate(self, model: ModelConfig) -> None:
+        _require_finite(self, "swarm")
         _require(self.num_shards > 0, "swarm.num_shards", "must be positive")
         _require(
             model.num_experts % self.num_shards == 0,
@@ -208,7 +220,11 @@ class SwarmConfig:
         _require(0 <= self.outer_momentum < 1, "swarm.outer_momentum", "must be in [0, 1)")
         _require(self.matchmaking_time > 0, "swarm.matchmaking_time", "must be positive")
         _require(self.averaging_timeout > 0, "swarm.averaging_timeout", "must be positive")
-        _require(self.heartbeat_s > 0, "swarm.heartbeat_s", "must be positive")
+        _require(
+            0 < self.heartbeat_s <= MAX_HEARTBEAT_S,
+            "swarm.heartbeat_s",
+            f"must be in (0, {MAX_HEARTBEAT_S:.0f}]",
+        )
         _require(self.merge_alpha0 >= 0, "swarm.merge_alpha0", "must be >= 0")
         _require(self.merge_topk > 0, "swarm.merge_topk", "must be positive")
 
@@ -225,6 +241,7 @@ class DataConfig:
     """Fraction of documents held out for validation."""
 
     def validate(self, model: ModelConfig) -> None:
+        _require_finite(self, "data")
         _require(0 < self.val_fraction < 1, "data.val_fraction", "must be in (0, 1)")
         _require(bool(self.tokenizer), "data.tokenizer", "must not be empty")
 
@@ -352,3 +369,12 @@ def _coerce(value: Any, default: Any, name: str) -> Any:
 def _require(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{name}: {message}")
+
+
+def _require_finite(section: Any, prefix: str) -> None:
+    """Every float field of a config section is a finite number: inf and nan pass most range checks, then break
+    timers (an infinite heartbeat kills the heartbeat thread) or the optimiser."""
+    for f in fields(section):
+        value = getattr(section, f.name)
+        if isinstance(value, float):
+            _require(math.isfinite(value), f"{prefix}.{f.name}", f"must be a finite number, got {value}")

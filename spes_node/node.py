@@ -126,10 +126,16 @@ class Node:
         signal.signal(signal.SIGTERM, handler)
 
     def startup(self) -> None:
+        from spes_node.checkpoint import os_reason, prepare_directory
+
         opts = self.opts
-        opts.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        # a read-only or unusable directory is one clear error now, not a traceback at the first write
+        prepare_directory(opts.checkpoint_dir, replaced=("config.json", "summary.json"))
         identity_path = opts.identity or opts.checkpoint_dir / "identity.key"
-        key = load_or_create_identity(identity_path)
+        try:
+            key = load_or_create_identity(identity_path)
+        except OSError as e:
+            raise NodeError(f"cannot create the identity file {identity_path}: {os_reason(e)}") from None
         self.validator = RSASignatureValidator(key)
         self.dht = self._start_dht(str(identity_path))
         self.peer_id = self.dht.peer_id.to_base58()
@@ -448,9 +454,20 @@ class Node:
             "rng": rng_state(),
         }
         tensors = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-        self.checkpoints.save(
-            self.trainer.step, tensors, meta, {"by_name": self.trainer.optimizer_state_by_name()}
-        )
+        try:
+            self.checkpoints.save(
+                self.trainer.step, tensors, meta, {"by_name": self.trainer.optimizer_state_by_name()}
+            )
+        except CheckpointError as e:
+            # a full disk or a directory gone read-only: the previous checkpoint stays intact (writes go to a
+            # temporary directory first); the next checkpoint tries again
+            going_on = "the node is leaving" if self.stop_event.is_set() else "training goes on"
+            try:
+                kept = "the previous checkpoint is kept" if self.checkpoints.list() else "no checkpoint yet"
+            except CheckpointError:
+                kept = "the checkpoint directory cannot be read"
+            logger.error(f"checkpoint of step {self.trainer.step} not written ({e}); {kept} and {going_on}")
+            return
         self._saved_step = (self.trainer.step, self.status.round)
 
     def write_summary(self) -> None:

@@ -223,3 +223,56 @@ def test_every_field_has_a_docstring():
                 assert isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant), (
                     f"{node.name}.{stmt.target.id} has no docstring"
                 )
+
+
+def _float_fields() -> list[str]:
+    cfg = SpesConfig()
+    return [
+        f"{section.name}.{f.name}"
+        for section in dataclasses.fields(cfg)
+        if dataclasses.is_dataclass(getattr(cfg, section.name))
+        for f in dataclasses.fields(getattr(cfg, section.name))
+        if isinstance(getattr(getattr(cfg, section.name), f.name), float)
+    ]
+
+
+def test_the_float_fields_are_found():
+    assert {"swarm.heartbeat_s", "train.lr", "model.rope_theta", "data.val_fraction"} <= set(_float_fields())
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+@pytest.mark.parametrize("field", _float_fields())
+def test_every_float_field_must_be_finite(tmp_path, field, value):
+    section, name = field.split(".")
+    path = _write(tmp_path, f"[{section}]\n{name} = {value}\n")
+    with pytest.raises(ValueError) as info:
+        load_config(path)
+    assert f"{field}:" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["Infinity", "NaN"])
+def test_a_swarm_record_with_an_infinite_heartbeat_is_refused(value):
+    data = json.loads(load_preset("tiny").to_json())
+    text = json.dumps(data).replace('"heartbeat_s": 2.0', f'"heartbeat_s": {value}')
+    assert value in text
+    with pytest.raises(ValueError, match="swarm.heartbeat_s"):
+        SpesConfig.from_json(text)
+
+
+@pytest.mark.parametrize(
+    ("section", "name", "value"),
+    [
+        ("swarm", "heartbeat_s", 0.0),
+        ("swarm", "heartbeat_s", -1.0),
+        ("swarm", "heartbeat_s", 1e12),
+        ("model", "rope_theta", 0.0),
+        ("model", "rms_norm_eps", 0.0),
+        ("model", "init_std", -0.02),
+        ("model", "z_loss", -1e-3),
+        ("model", "lb_loss", -0.01),
+        ("train", "weight_decay", -0.1),
+    ],
+)
+def test_float_fields_out_of_range(section, name, value):
+    with pytest.raises(ValueError, match=f"{section}.{name}"):
+        load_preset("tiny").replace(**{section: {name: value}})

@@ -1,0 +1,235 @@
+"""Bad local conditions (a read-only or unusable checkpoint directory, a full disk) end in one clear line, or, for a
+periodic checkpoint, in an error in the log while the node trains on; never in a traceback.
+
+Tests run as root, for whom file modes mean nothing: read-only places are read-only tmpfs mounts, immutable
+files (chattr +i) or paths below a regular file; a full disk is a tiny tmpfs or a writer that raises what
+safetensors raises on ENOSPC."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import SafetensorError
+
+import spes_node.checkpoint
+import spes_node.logs
+from spes_node.checkpoint import CheckpointError, CheckpointManager
+from spes_node.cli import main
+from spes_node.identity import load_or_create_identity
+from spes_node.node import Node, NodeOptions
+
+ENOSPC = "Error while serializing: I/O error: No space left on device (os error 28)"
+
+
+class DHTStarted(Exception):
+    """Raised instead of starting the DHT: a bad checkpoint directory must be refused before."""
+
+
+def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(list(args), capture_output=True, text=True)
+    if check and result.returncode != 0:
+        pytest.skip(f"`{' '.join(args)}` is not possible here (needs root): {result.stderr.strip()}")
+    return result
+
+
+@contextmanager
+def tmpfs(path: Path, size: str = "64k"):
+    """A small tmpfs mounted at `path` for the duration (skips the test where mounting is not allowed)."""
+    path.mkdir(exist_ok=True)
+    _run("mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path))
+    try:
+        yield path
+    finally:
+        _run("umount", "-l", str(path), check=False)
+
+
+def remount_read_only(path: Path) -> None:
+    _run("mount", "-o", "remount,ro", str(path))
+    probe = _run("touch", str(path / "probe"), check=False)
+    assert probe.returncode != 0, "the read-only remount still takes writes"
+
+
+@contextmanager
+def immutable(path: Path):
+    """`chattr +i`: not even root may change, replace or remove the file."""
+    _run("chattr", "+i", str(path))
+    try:
+        yield path
+    finally:
+        _run("chattr", "-i", str(path), check=False)
+
+
+def _tensors(n: int = 16) -> dict[str, torch.Tensor]:
+    return {"w": torch.arange(n, dtype=torch.float32)}
+
+
+def _failing_writer(_tensors, path, *_args, **_kwargs):
+    Path(path).write_bytes(b"partial")  # what a writer leaves when the disk fills up mid-file
+    raise SafetensorError(ENOSPC)
+
+
+# ------------------------------------------------------------------------------------ checkpoint manager
+
+
+def test_full_disk_is_a_checkpoint_error_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, _tensors(), {"round": 1})
+    monkeypatch.setattr(spes_node.checkpoint, "save_file", _failing_writer)
+    with pytest.raises(CheckpointError) as info:
+        manager.save(2, _tensors(), {"round": 2})
+    assert "step-00000002" in str(info.value) and "No space left on device" in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
+    latest = manager.latest()
+    assert latest.step == 1 and latest.meta == {"round": 1}
+    assert torch.equal(latest.tensors["w"], _tensors()["w"])
+
+
+def test_full_tmpfs_is_a_checkpoint_error_and_keeps_the_previous_checkpoint(tmp_path):
+    with tmpfs(tmp_path / "small", size="64k") as small:
+        manager = CheckpointManager(small)
+        manager.save(1, _tensors(), {"round": 1})
+        with pytest.raises(CheckpointError, match="step-00000002.*No space left on device"):
+            manager.save(2, _tensors(100_000), {"round": 2})  # 400 kB on a 64 kB file system
+        assert sorted(p.name for p in small.iterdir()) == ["step-00000001"]
+        assert manager.latest().meta == {"round": 1}
+
+
+def test_read_only_directory_is_a_checkpoint_error(tmp_path):
+    with tmpfs(tmp_path / "ro") as ro:
+        remount_read_only(ro)
+        with pytest.raises(CheckpointError, match="Read-only file system"):
+            CheckpointManager(ro).save(1, _tensors(), {})
+
+
+def test_directory_below_a_regular_file_is_a_checkpoint_error(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="unusable"):
+        CheckpointManager(tmp_path / "file" / "ckpt").save(1, _tensors(), {})
+
+
+# ------------------------------------------------------------------------------------ `spes-node join`
+
+
+@pytest.fixture
+def join(monkeypatch):
+    """`spes-node join --checkpoint-dir DIR ...` in-process; the DHT never starts."""
+
+    def refuse(*_args, **_kwargs):
+        raise DHTStarted("the DHT was started")
+
+    monkeypatch.setattr(Node, "_start_dht", refuse)
+    monkeypatch.setattr(spes_node.logs, "setup_logging", lambda *a, **k: None)
+    for key in [k for k in os.environ if k.startswith("SPES_")]:
+        monkeypatch.delenv(key)
+
+    def invoke(checkpoint_dir: Path, *args: str):
+        argv = ["join", "--checkpoint-dir", str(checkpoint_dir), "--device", "cpu", *args]
+        return CliRunner().invoke(main, argv, catch_exceptions=True)
+
+    return invoke
+
+
+def _one_line(result, *needles: str) -> str:
+    assert not isinstance(result.exception, DHTStarted), (
+        "the node started its DHT before checking the directory"
+    )
+    assert result.exit_code not in (0, 1), (result.exit_code, result.exception)  # 1: an uncaught exception
+    assert "Traceback" not in result.output + result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("spes-node: error: "), lines[0]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def test_join_with_a_read_only_checkpoint_directory(tmp_path, join):
+    with tmpfs(tmp_path / "ro") as ro:
+        remount_read_only(ro)
+        _one_line(join(ro), str(ro), "Read-only file system")
+
+
+def test_join_with_a_read_only_checkpoint_directory_that_holds_its_identity(tmp_path, join):
+    with tmpfs(tmp_path / "ro") as ro:
+        load_or_create_identity(ro / "identity.key")
+        remount_read_only(ro)
+        _one_line(join(ro), str(ro), "Read-only file system")
+
+
+def test_join_with_a_checkpoint_directory_that_cannot_be_created(tmp_path, join):
+    (tmp_path / "file").write_text("x")
+    _one_line(join(tmp_path / "file" / "ckpt"), str(tmp_path / "file" / "ckpt"), "Not a directory")
+
+
+def test_join_with_an_identity_file_that_cannot_be_created(tmp_path, join):
+    (tmp_path / "file").write_text("x")
+    identity = tmp_path / "file" / "identity.key"
+    _one_line(join(tmp_path / "ckpt", "--identity", str(identity)), str(identity), "Not a directory")
+
+
+def test_join_with_a_read_only_file_in_the_checkpoint_directory(tmp_path, join):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    with immutable(ckpt / "config.json"):
+        _one_line(join(ckpt), str(ckpt / "config.json"), "read-only")
+
+
+def test_join_with_an_unusable_checkpoint_directory_subprocess(tmp_path):
+    (tmp_path / "file").write_text("x")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPES_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "spes_node.cli", "join", "--checkpoint-dir", str(tmp_path / "file" / "ckpt")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if "spes-node: error:" in line]
+    assert len(lines) == 1 and "Not a directory" in lines[0], result.stderr
+
+
+# ------------------------------------------------------------------------------------ periodic checkpoints
+
+
+def _node_with_state(directory: Path) -> Node:
+    """A Node with just what `save_checkpoint` reads."""
+    node = Node(None, NodeOptions(checkpoint_dir=directory))
+    node.peer_id, node.config_hash, node.shard, node.data_part = "QmNode", "c" * 64, 0, (0, 1)
+    node.model = torch.nn.Linear(2, 2)
+    node.batcher = SimpleNamespace(state_dict=lambda: {"position": 0})
+    node.trainer = SimpleNamespace(step=1, optimizer_state_by_name=lambda: {})
+    node.sync = SimpleNamespace(outer_state_dict=lambda: {})
+    node.checkpoints = CheckpointManager(directory)
+    return node
+
+
+def test_full_disk_during_a_periodic_checkpoint_logs_and_trains_on(tmp_path, monkeypatch, caplog):
+    node = _node_with_state(tmp_path)
+    node.save_checkpoint()
+    node.trainer.step = 2
+    writer = spes_node.checkpoint.save_file
+    monkeypatch.setattr(spes_node.checkpoint, "save_file", _failing_writer)
+    with caplog.at_level(logging.ERROR, logger="spes_node.node"):
+        node.save_checkpoint()  # must not raise: the training loop goes on
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, errors
+    assert "step 2" in errors[0] and "No space left on device" in errors[0], errors[0]
+    assert "previous checkpoint" in errors[0] and "training goes on" in errors[0], errors[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
+    assert node.checkpoints.latest().step == 1
+
+    monkeypatch.setattr(spes_node.checkpoint, "save_file", writer)
+    node.save_checkpoint()  # the failed step is not remembered as saved: the next try writes it
+    assert node.checkpoints.latest().step == 2
