@@ -247,8 +247,9 @@ def test_swarm_key_tags_and_flags(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- real swarms
 
-HEARTBEAT = {"heartbeat_s": 2.0}
-"""Records live 3 heartbeats; 1 s (the swarm tests' default) lets them lapse on a loaded 2-core machine."""
+HEARTBEAT = {"heartbeat_s": 5.0}
+"""Records live 3 heartbeats; 1 s (the swarm tests' default), and at times 2 s, lets them lapse on a loaded 2-core
+machine, and these tests read the records once where they expect every live node in them."""
 
 
 @pytest.fixture
@@ -285,7 +286,7 @@ def test_bad_peer_cannot_drag_honest_weights_and_is_ignored_afterwards(host_swar
     swarm = host_swarm(num_shards=2)
     honest = ["h0", "h1", "h2"]
     for name in honest:
-        swarm.start(name, "--max-rounds", "3", "--wait-peers", "4")
+        swarm.start(name, "--max-rounds", "4", "--wait-peers", "4")
     swarm.start("bad", "--wait-peers", "4", env={FAULT_ENV: fault})
     swarm.expected_deaths.add("bad")
     for name in honest:
@@ -295,8 +296,9 @@ def test_bad_peer_cannot_drag_honest_weights_and_is_ignored_afterwards(host_swar
     for name in honest:
         assert f"ignoring peer {bad_id}" in swarm.log(name), swarm.log(name)[-3000:]
         rounds = swarm.summary(name)["rounds"]
-        first_ban = next(i for i, r in enumerate(rounds) if bad_id in r["banned"])
-        after = rounds[first_ban + 1 :]
+        bans = [i for i, r in enumerate(rounds) if bad_id in r["banned"]]
+        assert bans and bans[0] < len(rounds) - 1, ("no round after the first ban to check", name, rounds)
+        after = rounds[bans[0] + 1 :]
         assert all(bad_id in r["banned"] and r["shared_group"] <= 3 for r in after), rounds
 
     states = {name: swarm.checkpoint(name).tensors for name in honest}
@@ -314,7 +316,9 @@ def test_bad_peer_cannot_drag_honest_weights_and_is_ignored_afterwards(host_swar
 
 @pytest.mark.swarm
 def test_crashed_node_restarts_with_its_identity_and_shard(host_swarm):
-    swarm = host_swarm(num_shards=2)
+    # a matchmaking window of 5 s (the default; 2 s elsewhere in the tests): the restarted node reaches its first
+    # averaging at any point of the survivor's round
+    swarm = host_swarm(num_shards=2, matchmaking_time=5.0)
     swarm.start("a", "--wait-peers", "2")
     swarm.start("b", "--wait-peers", "2")
     before = swarm.wait_for(
@@ -325,7 +329,7 @@ def test_crashed_node_restarts_with_its_identity_and_shard(host_swarm):
     # checkpoints are written after every round (and every checkpoint_every steps)
     assert saved.step >= before.step - swarm.cfg.swarm.sync_steps
 
-    swarm.start("b-again", "--max-rounds", "1", node_dir="b")
+    swarm.start("b-again", "--max-rounds", "2", node_dir="b")
     assert swarm.wait_exit("b-again", 240) == 0, swarm.log("b-again")[-3000:]
     log = swarm.log("b-again")
     assert f"resumed from {saved.path.name}: round {saved.meta['round']}, step {saved.step}" in log, log[
@@ -333,8 +337,9 @@ def test_crashed_node_restarts_with_its_identity_and_shard(host_swarm):
     ]
     summary = swarm.summary("b")
     assert summary["peer_id"] == before.peer_id and summary["shard"] == before.shards[0]
-    assert summary["rounds_done"] == 1 and summary["step"] >= saved.step + swarm.cfg.swarm.sync_steps
-    assert summary["rounds"][0]["shared_group"] == 2, "it rejoins the very next round"
+    assert summary["rounds_done"] == 2 and summary["step"] >= saved.step + 2 * swarm.cfg.swarm.sync_steps
+    rejoined = [r for r in summary["rounds"] if r["shared_group"] == 2]
+    assert rejoined, ("it averages with a again", summary["rounds"])
 
 
 async def _store_raw(
@@ -457,7 +462,7 @@ def test_peer_without_the_swarm_key_is_refused(host_swarm):
             stranger.shutdown()
 
     # a stranger who learned a node's address, peer id and group names is refused by its averager
-    node = _by_name(swarm)["a"]
+    node = swarm.wait_for(lambda: _by_name(swarm).get("a"), 60, "a's record")
     prefix = f"{swarm.run_id}_{swarm.cfg.hash()[:16]}_shared"
     codes = asyncio.run(_join_requests(node, prefix, [wrong, key]))
     assert codes[0] == averaging_pb2.PROTOCOL_VIOLATION

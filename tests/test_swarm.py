@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from hivemind.utils import get_dht_time
 from swarm_utils import Swarm, wait_for
 
 from spes_node.procs import descendants
@@ -49,8 +49,9 @@ def _assert_close(a: dict, b: dict, what: str) -> None:
 
 def test_four_nodes_two_replicas_agree_after_rounds(swarm_factory):
     # H = 5 and merge_interval = 10: the merge warm-up runs at round 2, round 3 is a plain round whose refresh
-    # brings every frozen copy up to date
-    swarm = swarm_factory(num_shards=2, merge_interval=10)
+    # brings every frozen copy up to date. The weights agree only if the last round had everyone in it: a
+    # matchmaking window of 6 s (instead of 2) lets a node that a loaded machine slowed down still make it.
+    swarm = swarm_factory(num_shards=2, merge_interval=10, matchmaking_time=6.0)
     names = [f"n{i}" for i in range(4)]
     for name in names:
         swarm.start(name, "--max-rounds", "3", "--wait-peers", "4")
@@ -111,7 +112,8 @@ def test_late_joiner_starts_from_swarm_weights(swarm_factory):
 
 
 def test_config_mismatch_refused_and_sigterm_leaves_cleanly(swarm_factory, tmp_path):
-    swarm = swarm_factory(heartbeat_s=5.0)
+    # heartbeat records live 3 heartbeats (60 s): the founder's is gone long before that only if it was withdrawn
+    swarm = swarm_factory(heartbeat_s=20.0)
     swarm.start("founder")
     swarm.wait_for(
         lambda: any(n.state == "training" for n in swarm.nodes().values()), 120, "founder training"
@@ -120,20 +122,23 @@ def test_config_mismatch_refused_and_sigterm_leaves_cleanly(swarm_factory, tmp_p
     other = tmp_path / "other.json"
     other.write_text(swarm.cfg.replace(swarm={"sync_steps": 7}).to_json())
     proc = swarm.start("stranger", config=other)
+    swarm.expected_deaths.add("stranger")
     assert swarm.wait_exit("stranger", 120) != 0
     output = swarm.log("stranger")
     assert "config mismatch" in output and "Traceback" not in output
     assert proc.returncode == 2
 
     swarm.wait_for(lambda: _has_round(swarm), 120, "a round")
+    record = next(n for n in swarm.nodes().values() if n.public_name == "founder")
     swarm.procs["founder"].send_signal(signal.SIGTERM)
     assert swarm.wait_exit("founder", 60) == 0, swarm.log("founder")[-3000:]
     assert swarm.checkpoint("founder") is not None
     assert (tmp_path / "founder" / "summary.json").exists()
-    # heartbeat records live 15 s; a withdrawn record is gone at once
-    gone = time.monotonic()
-    swarm.wait_for(lambda: not swarm.nodes(), 5, "the record to be withdrawn")
-    assert time.monotonic() - gone < 5
+    # the record is gone (a LEAVING tombstone replaced it) while the last heartbeat we saw is still unexpired
+    swarm.wait_for(
+        lambda: "founder" not in {n.public_name for n in swarm.nodes().values()}, 60, "the record to go"
+    )
+    assert get_dht_time() < record.expires_at, "the record is gone, but it may have expired: not withdrawn"
 
 
 def _has_round(swarm: Swarm) -> bool:
@@ -154,7 +159,8 @@ def test_sigkill_does_not_stall_the_others(swarm_factory):
         assert swarm.wait_exit(name, 240) == 0, swarm.log(name)[-3000:]
         s = swarm.summary(name)
         assert s["rounds_done"] == 4
-        assert s["rounds"][-1]["shared_group"] == 2, s["rounds"]
+        # without the victim, the two still average together (each round's group depends on matchmaking timing)
+        assert any(r["shared_group"] == 2 for r in s["rounds"][-2:]), s["rounds"]
 
 
 def _alive(pid: int) -> bool:
