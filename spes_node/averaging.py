@@ -17,7 +17,7 @@ import torch
 from hivemind import DHT
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
 
-from spes_node.robust import BanList, GroupOutcome, RobustAverager, inject_fault
+from spes_node.robust import BanList, GroupOutcome, RobustAverager, RobustPolicy, inject_fault
 from spes_node.swarm_key import SwarmKey
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,10 @@ class GroupResult:
     error: str | None = None
     rejected: dict[str, str] = field(default_factory=dict)
     """Peers caught sending bad data in this step (peer id -> why); they are banned from then on."""
+    failed_reducers: int = 0
+    """Group members whose part of the vector was not averaged (it kept our local values)."""
+    failed_fraction: float = 0.0
+    """The share of the vector that kept local values."""
 
 
 class GroupAverager:
@@ -56,6 +60,7 @@ class GroupAverager:
         client_mode: bool,
         bans: BanList | None = None,
         swarm_key: SwarmKey | None = None,
+        max_weight: float = math.inf,
     ):
         self.prefix, self.names = prefix, list(tensors)
         self.bans = bans if bans is not None else BanList()
@@ -74,11 +79,16 @@ class GroupAverager:
             client_mode=client_mode,
             allow_state_sharing=False,
             swarm_key=swarm_key,
+            policy=RobustPolicy(max_weight=max_weight),
+            shutdown_timeout=2.0,
             start=True,
         )
 
-    def step(self, tensors: dict[str, torch.Tensor], weight: float, gather: tuple):
-        """Start averaging a copy of `tensors`; returns a handle for `finish`."""
+    def step(self, tensors: dict[str, torch.Tensor], weight: float, gather: tuple, wait_extra: float = 0.0):
+        """Start averaging a copy of `tensors`; returns a handle for `finish`.
+
+        Matchmaking lasts up to twice the matchmaking window, plus `wait_extra` seconds for peers that are
+        expected soon; the all-reduce then has its own timeout."""
         with self.averager.get_tensors() as buffers:
             for buffer, name in zip(buffers, self.names):
                 buffer.copy_(tensors[name].detach())
@@ -88,7 +98,7 @@ class GroupAverager:
         control = self.averager.step(
             weight=max(weight, 1e-6),
             gather=gather,
-            timeout=self.matchmaking_time * 2 + self.allreduce_timeout,
+            timeout=self.matchmaking_time * 2 + max(0.0, wait_extra),
             wait=False,
         )
         return control, start
@@ -121,9 +131,18 @@ class GroupAverager:
         moved = int(2 * (n - 1) / n * self.numel * WIRE_BYTES[self.compression_name])
         with self.averager.get_tensors() as buffers:
             averaged = {name: buffer.clone() for name, buffer in zip(self.names, buffers)}
-        return GroupResult(n, seconds, moved, moved, peers=peers, rejected=rejected), averaged
+        result = GroupResult(n, seconds, moved, moved, peers=peers, rejected=rejected)
+        result.failed_reducers, result.failed_fraction = outcome.failed_reducers, outcome.failed_fraction
+        if outcome.failed_reducers:
+            result.error = (
+                f"{outcome.failed_reducers} of {n} parts not averaged "
+                f"({100 * outcome.failed_fraction:.0f}% of the vector kept local values)"
+            )
+        return result, averaged
 
     def shutdown(self) -> None:
+        if not self.averager.is_alive():
+            return
         try:
             self.averager.shutdown()
         except Exception as e:
@@ -147,7 +166,9 @@ class PlainAverage(OuterOptimizer):
 
 
 class NesterovOuter(OuterOptimizer):
-    """DiLoCo: the outer gradient is (previous global - average); SGD with Nesterov momentum on the global weights."""
+    """DiLoCo: the outer gradient is (previous global - average); SGD with Nesterov momentum on the global weights.
+
+    Its state lives on the weights' device and is saved in checkpoints (`state_dict`)."""
 
     def __init__(self, lr: float, momentum: float):
         self.lr, self.momentum = lr, momentum
@@ -157,7 +178,22 @@ class NesterovOuter(OuterOptimizer):
     @torch.no_grad()
     def remember(self, local: dict[str, torch.Tensor]) -> None:
         """Record the global weights the next round starts from."""
-        self.previous = {name: t.detach().float().cpu().clone() for name, t in local.items()}
+        self.previous = {name: t.detach().float().clone() for name, t in local.items()}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Flat tensors by name (`previous.<name>`, `velocity.<name>`), on the CPU."""
+        out = {f"previous.{k}": v.detach().to("cpu", copy=True) for k, v in self.previous.items()}
+        out.update({f"velocity.{k}": v.detach().to("cpu", copy=True) for k, v in self.velocity.items()})
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> None:
+        """Restore what `state_dict` saved for the tensors in `like` (their names, devices and shapes)."""
+        for kind, target in (("previous", self.previous), ("velocity", self.velocity)):
+            target.clear()
+            for name, tensor in like.items():
+                saved = state.get(f"{kind}.{name}")
+                if saved is not None and saved.shape == tensor.shape:
+                    target[name] = saved.to(tensor.device, torch.float32, copy=True)
 
     @torch.no_grad()
     def apply(self, local, averaged):
@@ -181,7 +217,3 @@ def valid_gather(value: object) -> bool:
         and len(value) == 3
         and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62 for x in value)
     )
-
-
-def finite_weight(value: float) -> float:
-    return value if math.isfinite(value) and value > 0 else 1e-6

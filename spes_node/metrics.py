@@ -42,6 +42,7 @@ class _Snapshot:
         self.rounds = 0
         self.round_seconds_total = 0.0
         self.failures = 0
+        self.failed_parts = 0
 
 
 class _NodeCollector(Collector):
@@ -86,6 +87,11 @@ class _NodeCollector(Collector):
             _counter("spes_rounds", "Rounds finished by this node.", s.rounds),
             _counter("spes_round_seconds", "Total time spent in round syncs.", s.round_seconds_total),
             _counter("spes_averaging_failures", "All-reduces that failed (local weights kept).", s.failures),
+            _counter(
+                "spes_averaging_failed_parts",
+                "Parts of all-reduces whose reducer failed or was ignored (those parts kept local weights).",
+                s.failed_parts,
+            ),
         ]
 
 
@@ -143,6 +149,7 @@ class NodeMetrics:
                 s.rounds += 1
                 s.round_seconds_total += 0.0 if math.isnan(s.round_seconds) else s.round_seconds
                 s.failures += len(report.get("errors", ()))
+                s.failed_parts += int(report.get("failed_parts", 0))
 
     def render(self) -> bytes:
         """The text a scrape returns."""

@@ -26,10 +26,11 @@ from spes_node.errors import SpesError
 from spes_node.identity import load_or_create_identity
 from spes_node.metrics import NodeMetrics
 from spes_node.model import MoEForCausalLM
-from spes_node.procs import NodeDHT
+from spes_node.procs import NodeDHT, kill_tree
+from spes_node.progress import should_catch_up
 from spes_node.rounds import SpesRound
 from spes_node.sharding import apply_ownership, data_part
-from spes_node.shards import assign_joiners
+from spes_node.shards import ACTIVE_STATES, assign_joiners
 from spes_node.swarm_key import SwarmKey
 from spes_node.tokenizer import load_tokenizer
 from spes_node.trainer import Trainer, resolve_device
@@ -38,6 +39,10 @@ logger = logging.getLogger(__name__)
 
 CONFIG_EXPIRATION_S = 3600.0
 CONFIG_REPUBLISH_S = 600.0
+SHUTDOWN_S = 12.0
+"""A stopping node exits within this (plus the final checkpoint's write)."""
+NETWORK_SHUTDOWN_S = 6.0
+"""Of `SHUTDOWN_S`, what is kept for stopping the averagers and the DHT after the record is withdrawn."""
 
 
 class NodeError(SpesError):
@@ -67,6 +72,8 @@ class NodeOptions:
     wait_peers: int = 1
     init_from: Path | None = None
     swarm_key: SwarmKey | None = None
+    config_hash: str | None = None
+    """The anchor: join only a swarm whose config has this hash (--config-hash)."""
 
 
 @dataclass
@@ -210,11 +217,22 @@ class Node:
 
         self.sync = SpesRound(self)
         self.sync.start()
-        swarm_round = max((n.round for n in nodes.values()), default=0)
-        if swarm_round > self.status.round or checkpoint is None:
+        if checkpoint is not None:
+            self._restore_outer(checkpoint)
+        live = [n.round for n in nodes.values() if n.state in ACTIVE_STATES]
+        behind = should_catch_up(self.status.round, live, slack=0)
+        if checkpoint is None:
             # a new node takes the swarm's weights whenever a peer serves them (also at round 0: the swarm may
-            # have started from --init-from weights); a resumed one only when the swarm has moved on
-            self.sync.download_swarm_state(nodes, include_own=checkpoint is None)
+            # have started from --init-from weights)
+            self.sync.download_swarm_state(nodes, include_own=True)
+        elif behind is not None:
+            # a resumed node behind the swarm takes everything, its own shard too, from live nodes that are ahead:
+            # its stale shard would otherwise pull its replicas back
+            resumed_round = self.status.round
+            self.sync.download_swarm_state(nodes, include_own=True, min_round=behind)
+            if self.status.round > resumed_round:
+                logger.info(f"caught up from round {resumed_round} to the swarm's round {self.status.round}")
+                self.save_checkpoint()
         self.status.state = "training"
         self.publish_record()
         self._wait_for_peers()
@@ -278,7 +296,7 @@ class Node:
                 announce_maddrs=opts.announce_maddrs or None,
                 identity_path=identity_path,
                 client_mode=opts.client_mode,
-                record_validators=[self.validator],
+                record_validators=records.record_validators(self.validator),
                 authorizer=opts.swarm_key.authorizer() if opts.swarm_key else None,
                 start=True,
                 startup_timeout=opts.join_timeout,
@@ -291,10 +309,16 @@ class Node:
             ) from None
         if not opts.client_mode:
             maddrs = [str(m) for m in dht.get_visible_maddrs()]
-            logger.info("to join this swarm: spes-node join " + " ".join(f"--peers {m}" for m in maddrs))
             self.visible_maddrs = maddrs
         else:
             self.visible_maddrs = []
+        # complete commands, so that a pasted one finds this swarm (others reach a client-mode node's swarm through
+        # the peers it joined by); a private swarm's key is never printed
+        if peers := " ".join(f"--peers {m}" for m in (self.visible_maddrs or opts.peers)):
+            swarm = f"{peers} --run-id {opts.run_id}"
+            swarm += " --swarm-key-file YOUR_SWARM_KEY_FILE" if opts.swarm_key else ""
+            logger.info(f"to join this swarm: spes-node join {swarm}")
+            logger.info(f"to watch it: spes-node status {swarm}")
         if opts.relays:
             circuits = relay.circuit_maddrs(opts.relays, dht.peer_id.to_base58())
             logger.info(f"reachable through {len(circuits)} relay(s): {', '.join(circuits)}")
@@ -302,30 +326,104 @@ class Node:
         return dht
 
     def _agree_on_config(self) -> SpesConfig:
+        """The swarm config, anchored: the node takes only the config whose hash (recomputed from its JSON) is the
+        anchor: --preset/--config, else --config-hash, else the config of its own checkpoint. Without an anchor it
+        takes the config only if every published copy agrees, with a warning; counting copies decides nothing."""
         opts, cfg = self.opts, self.cfg
-        deadline = time.monotonic() + (opts.join_timeout if opts.peers else 0)
-        record = records.fetch_config(self.dht, opts.run_id)
-        while record is None and opts.peers and cfg is None and time.monotonic() < deadline:
-            time.sleep(1.0)
-            record = records.fetch_config(self.dht, opts.run_id)
-        if record is None:
-            if cfg is None:
-                raise NodeError(
-                    f"no swarm '{opts.run_id}' found at the given peers; pass --preset or --config to found it"
-                )
-            logger.info(f"founding swarm '{opts.run_id}' (config {cfg.hash()[:12]})")
+        saved = self._checkpoint_config_hash()
+        if opts.config_hash and cfg is not None and cfg.hash() != opts.config_hash:
+            raise NodeError(
+                f"--config-hash {opts.config_hash[:12]} is not the hash of our config ({cfg.hash()[:12]})"
+            )
+        if opts.config_hash and saved and saved != opts.config_hash:
+            raise NodeError(
+                f"--config-hash {opts.config_hash[:12]} is not the config of the checkpoint in {opts.checkpoint_dir} "
+                f"({saved[:12]}); use another --checkpoint-dir"
+            )
+        if cfg is not None:
+            anchor, source = cfg.hash(), "--preset/--config"
+        elif opts.config_hash:
+            anchor, source = opts.config_hash, "--config-hash"
         else:
+            anchor, source = saved, "the checkpoint"
+
+        def settled(found: dict) -> bool:
+            # a node that brought its config founds the swarm if there is none; others wait for theirs to show up
+            return cfg is not None or (anchor in found if anchor else bool(found))
+
+        deadline = time.monotonic() + (opts.join_timeout if opts.peers else 0)
+        configs = records.fetch_configs(self.dht, opts.run_id)
+        while opts.peers and not settled(configs) and time.monotonic() < deadline:
+            time.sleep(1.0)
+            configs = records.fetch_configs(self.dht, opts.run_id)
+        seen = ", ".join(h[:12] for h in configs)
+        if anchor is None:
+            if not configs:
+                from spes_node.status import no_swarm_message
+
+                raise NodeError(no_swarm_message(self.dht, opts.run_id))
+            if len(configs) > 1:
+                raise NodeError(str(records.ConfigConflict(opts.run_id, list(configs))))
+            record = next(iter(configs.values()))
+            logger.warning(
+                f"swarm '{opts.run_id}' runs config {record.config_hash[:12]}, taken unanchored (every published "
+                f"copy agrees, but any peer can publish one): pass --config-hash {record.config_hash} to be sure"
+            )
+            cfg = SpesConfig.from_json(record.config_json)
+        elif anchor in configs:
+            record = configs[anchor]
             swarm_cfg = SpesConfig.from_json(record.config_json)
-            if cfg is not None and cfg.hash() != record.config_hash:
+            if swarm_cfg.hash() != anchor:
                 raise NodeError(
-                    f"config mismatch: swarm '{opts.run_id}' runs config {record.config_hash[:12]} "
-                    f"but ours is {cfg.hash()[:12]}; join without --preset/--config to adopt the swarm's"
+                    f"swarm '{opts.run_id}' config {anchor[:12]} reads as {swarm_cfg.hash()[:12]} with this version "
+                    f"of spes-node ({__version__}); run the founder's version"
                 )
             cfg = swarm_cfg
+        elif configs:
+            raise NodeError(
+                f"config mismatch: swarm '{opts.run_id}' runs config {seen} but ours ({source}) is {anchor[:12]}; "
+                + (
+                    "join without --preset/--config, with --config-hash, to adopt the swarm's"
+                    if cfg is not None
+                    else "check the --config-hash the founder printed"
+                )
+            )
+        elif cfg is None:
+            raise NodeError(
+                f"no swarm '{opts.run_id}' with config {anchor[:12]} ({source}) found at the given peers; "
+                f"pass --preset or --config to found it"
+            )
+        else:
+            record = None
+            logger.info(f"founding swarm '{opts.run_id}' (config {cfg.hash()[:12]})")
         self._config_created_at = record.created_at if record is not None else None
         self.cfg = cfg
         self._publish_config()
         return cfg
+
+    def _checkpoint_config_hash(self) -> str | None:
+        """The config hash in the meta of this node's newest checkpoint, if it has one (the checkpoint itself is
+        verified when it is loaded, after the config is agreed)."""
+        from spes_node.checkpoint import META_FILE
+
+        try:
+            paths = CheckpointManager(self.opts.checkpoint_dir).list()
+        except CheckpointError:
+            return None
+        for path in reversed(paths):
+            try:
+                return records.check_config_hash(
+                    json.loads((path / META_FILE).read_text())["meta"]["config_hash"]
+                )
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                continue
+        return None
+
+    def _restore_outer(self, checkpoint) -> None:
+        """The outer optimiser's state (Nesterov momentum), saved beside the inner one."""
+        outer = (checkpoint.optimizer or {}).get("outer")
+        if outer:
+            self.sync.load_outer_state_dict(outer)
 
     def _resume(self, checkpoint) -> None:
         meta = checkpoint.meta
@@ -341,6 +439,7 @@ class Node:
         self.status.loss_history = list(meta.get("loss_history", []))
         self.round_losses = [float(x) for x in meta.get("round_losses", [])]
         self.steps_into_round = int(meta.get("steps_into_round", 0))
+        self.tokens_since_sync = int(meta.get("tokens_since_sync", 0))
         saved_part = meta.get("data_part")
         if saved_part and saved_part[0] == self.data_part[0] and meta.get("data_state") is not None:
             self.batcher.load_state_dict(meta["data_state"])
@@ -352,7 +451,12 @@ class Node:
         )
 
     def shutdown(self) -> None:
+        """Leave within `SHUTDOWN_S`: checkpoint, summary, withdraw the record, stop the networking.
+
+        Only the checkpoint is local; every step that talks to the DHT or p2pd is bounded, so that a node whose
+        helpers died first (a signal to the whole cgroup) still exits in time."""
         self.stop_event.set()
+        deadline = time.monotonic() + SHUTDOWN_S
         leaving = self.dht is not None and self.sync is not None
         if leaving:
             self.status.state = "leaving"
@@ -361,14 +465,24 @@ class Node:
             except Exception as e:
                 logger.error(f"final checkpoint failed: {e}")
             self.write_summary()
-            try:
-                records.withdraw_node(self.dht, self.opts.run_id, self.peer_id, self.validator)
-            except Exception as e:
-                logger.warning(f"could not withdraw the node record: {e}")
+            if self.dht.is_alive():
+                _bounded(
+                    lambda: records.withdraw_node(self.dht, self.opts.run_id, self.peer_id, self.validator),
+                    deadline - time.monotonic() - NETWORK_SHUTDOWN_S,
+                    "withdraw the node record",
+                )
+            else:
+                logger.warning("the DHT process is gone: the node record expires by itself")
         if self.sync is not None:
-            self.sync.shutdown()
+            _bounded(self.sync.shutdown, max(1.0, deadline - time.monotonic() - 2.0), "stop averaging")
         if self.dht is not None:
-            self.dht.shutdown()
+            _bounded(self.dht.shutdown, max(1.0, deadline - time.monotonic()), "stop the DHT")
+        # a helper that did not stop when asked (hung, or stopped) would hold the exit: multiprocessing joins it
+        helpers = [self.dht, *(self.sync.helper_processes() if self.sync is not None else [])]
+        for helper in helpers:
+            if helper is not None and helper.is_alive():
+                logger.warning(f"killing helper process {helper.pid} ({type(helper).__name__}), which did not stop")
+                kill_tree(helper.pid)
 
     # ------------------------------------------------------------------ training
 
@@ -445,6 +559,7 @@ class Node:
             "round": self.status.round,
             "step": self.trainer.step,
             "steps_into_round": self.steps_into_round,
+            "tokens_since_sync": self.tokens_since_sync,
             "tokens": self.status.tokens,
             "shards": [self.shard],
             "data_part": list(self.data_part),
@@ -456,7 +571,10 @@ class Node:
         tensors = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         try:
             self.checkpoints.save(
-                self.trainer.step, tensors, meta, {"by_name": self.trainer.optimizer_state_by_name()}
+                self.trainer.step,
+                tensors,
+                meta,
+                {"by_name": self.trainer.optimizer_state_by_name(), "outer": self.sync.outer_state_dict()},
             )
         except CheckpointError as e:
             # a full disk or a directory gone read-only: the previous checkpoint stays intact (writes go to a
@@ -540,6 +658,25 @@ class Node:
             self.dht, self.opts.run_id, self.cfg.to_json(), self.cfg.hash(), self.validator,
             expiration_s=CONFIG_EXPIRATION_S, created_at=self._config_created_at,
         )  # fmt: skip
+
+
+def _bounded(fn, seconds: float, what: str) -> None:
+    """Run `fn` in a daemon thread for at most `seconds`; a call that hangs (a dead DHT) is left behind."""
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except Exception as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=target, name=f"spes-shutdown-{what}", daemon=True)
+    thread.start()
+    thread.join(max(0.0, seconds))
+    if thread.is_alive():
+        logger.warning(f"could not {what} within {seconds:.0f}s; going on")
+    elif errors:
+        logger.warning(f"could not {what}: {errors[0]}")
 
 
 def _write_atomic(path: Path, text: str) -> None:

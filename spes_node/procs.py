@@ -4,6 +4,10 @@ hivemind starts them as daemonic multiprocessing children, which only helps on a
 process is killed outright (the OOM killer, `kill -9`), they would go on running, holding memory, ports and a
 place in the swarm's DHT. So each child asks the kernel for SIGTERM when its parent dies (PR_SET_PDEATHSIG, Linux)
 and answers SIGTERM by killing its own children (p2pd) and exiting.
+
+The node owns their lifetime, so they also leave the node's process group: Ctrl-C in a terminal, or a signal to
+the whole group, reaches the node, which still needs its DHT (and p2pd) to withdraw its record and shut down in
+order; a child that died with it would leave the node's last DHT calls hanging.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ def bind_to_parent() -> None:
     """Call first thing in a child process: it exits, with its own children, when its parent process dies."""
     if not sys.platform.startswith("linux"):
         return
+    os.setpgid(0, 0)  # our own process group, which p2pd inherits: group signals for the node pass us by
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: exit_with_children())
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     parent = multiprocessing.parent_process()
@@ -38,6 +44,15 @@ def exit_with_children() -> None:
         except ProcessLookupError:
             pass
     os._exit(0)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it (a helper that did not stop when asked)."""
+    for victim in [*descendants(pid), pid]:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def children(pid: int) -> list[int]:

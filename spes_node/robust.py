@@ -52,16 +52,19 @@ import asyncio
 import logging
 import math
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, AsyncIterator  # noqa: UP035 (hivemind reads `typing` hints to find streaming RPCs)
 
+import hivemind.averaging.averager
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.averaging.partition import (
     AllreduceException,
     BannedException,
@@ -97,6 +100,8 @@ class RobustPolicy:
     """A sender's weight counts at most this times the group's lower-median weight."""
     min_clip_ratio: float = 1e-3
     """The clipping radius never falls below this times the reference norm."""
+    max_weight: float = math.inf
+    """No sender's weight counts for more than this (what the config lets a node train in one round)."""
 
 
 @dataclass
@@ -160,7 +165,9 @@ def robust_mean(
         if k not in keep:
             rejected[i] = f"{float(distances[k]):.3g} away from ours, more than {limit:.3g}"
 
-    w = torch.tensor([float(weights[valid[k]]) for k in keep], dtype=torch.float64)
+    w = torch.tensor([float(weights[valid[k]]) for k in keep], dtype=torch.float64).clamp(
+        max=policy.max_weight
+    )
     w = w.clamp(max=policy.weight_cap * _lower_median(w)) if _lower_median(w) > 0 else w
     if float(w.sum()) <= 0:
         return Aggregate(center.clone(), rejected)
@@ -261,6 +268,13 @@ class CheckedPartContainer(TensorPartContainer):
     ):
         super().__init__(*args, **kwargs)
         self.local_index, self.policy, self.on_bad_result = local_index, policy, on_bad_result
+        self.failed_reducers: set[int] = set()
+        """Peers (indices) whose parts we kept at our local values because they did not reduce them."""
+
+    def register_failed_reducer(self, peer_index: int):
+        if self._outputs_registered_by_peer[peer_index] < self.num_parts_by_peer[peer_index]:
+            self.failed_reducers.add(peer_index)
+        super().register_failed_reducer(peer_index)
 
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor):
         inputs = self._input_parts_by_peer[peer_index]
@@ -346,6 +360,10 @@ class GroupOutcome:
     """Peer id (base58) -> the `gather` it sent, for members whose data was used (ourselves included)."""
     rejected: dict[str, str]
     """Peer id (base58) -> why it was rejected in this step."""
+    failed_reducers: int = 0
+    """Members whose part of the vector kept our local values (they failed, were banned or sent a bad result)."""
+    failed_fraction: float = 0.0
+    """The share of our vector that kept local values for that reason."""
 
 
 def open_gathered(entry: bytes, peer_id: bytes, prefix: str, swarm_key: SwarmKey | None) -> tuple[int, Any]:
@@ -372,6 +390,8 @@ class RobustAverager(DecentralizedAverager):
 
     def run(self) -> None:
         bind_to_parent()  # the averager process dies with the node's process, even when that one is SIGKILLed
+        # hivemind builds its matchmaking from this module-level name; in this (child) process, ours
+        hivemind.averaging.averager.Matchmaking = BanAwareMatchmaking
         super().run()
 
     def __init__(
@@ -392,6 +412,17 @@ class RobustAverager(DecentralizedAverager):
         if start:
             self.run_in_background(await_ready=True)
 
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        # hivemind sets SIGINT to "ignore" in the calling process before it forks the averager; the node handles
+        # SIGINT (Ctrl-C) itself, so its handler comes back once the child has started
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.getsignal(signal.SIGINT) if main else None
+        try:
+            super().run_in_background(await_ready=await_ready, timeout=timeout)
+        finally:
+            if main and previous is not None:
+                signal.signal(signal.SIGINT, previous)
+
     def step(self, gather: Any = None, **kwargs):
         return super().step(gather=[gather, self._tag], **kwargs)
 
@@ -401,6 +432,8 @@ class RobustAverager(DecentralizedAverager):
 
     async def _set_banned(self, peers: list[str]) -> None:
         self._banned = frozenset(PeerID.from_base58(peer) for peer in peers)
+        if isinstance(getattr(self, "_matchmaking", None), BanAwareMatchmaking):
+            self._matchmaking.banned = self._banned
 
     def _open(self, peer: PeerID, entry: bytes) -> tuple[int, Any]:
         return open_gathered(entry, peer.to_bytes(), self.prefix, self.swarm_key)
@@ -437,10 +470,18 @@ class RobustAverager(DecentralizedAverager):
             entries.append(self.serializer.dumps([None, mode, self.serializer.dumps(None)]))
         ignored = frozenset(rejected) | (self._banned & frozenset(group_info.peer_ids))
         sanitized = GroupInfo(group_info.group_id, group_info.peer_ids, tuple(entries))
+        failures: dict[str, float] = {}
         await super()._aggregate_with_group(
-            sanitized, min_vector_size, ignored=ignored, on_reject=rejected.setdefault, **kwargs
+            sanitized,
+            min_vector_size,
+            ignored=ignored,
+            on_reject=rejected.setdefault,
+            failures=failures,
+            **kwargs,
         )
         return GroupOutcome(
+            failed_reducers=int(failures.get("reducers", 0)),
+            failed_fraction=float(failures.get("fraction", 0.0)),
             gathered={
                 peer.to_base58(): payloads[peer]
                 for peer in group_info.peer_ids
@@ -457,6 +498,7 @@ class RobustAverager(DecentralizedAverager):
         *,
         ignored: Collection[PeerID] = (),
         on_reject: Callable[[PeerID, str], Any] = lambda peer, reason: None,
+        failures: dict[str, float] | None = None,
         **kwargs,
     ):
         # hivemind's _run_allreduce_inplace_ with RobustAllReduceRunner (this averager is never auxiliary)
@@ -480,6 +522,23 @@ class RobustAverager(DecentralizedAverager):
             tensor.add_(update, alpha=self._averaging_alpha)
             self.last_updated = get_dht_time()
             self._state_updated.set()
+        if failures is not None:
+            container = runner.tensor_part_container
+            failures["reducers"] = len(container.failed_reducers)
+            failures["fraction"] = container.failed_size / max(1, sum(t.numel() for t in tensors))
+
+
+class BanAwareMatchmaking(Matchmaking):
+    """hivemind's matchmaking that never asks a banned peer to lead our group (as a leader we refuse them in
+    `RobustAverager.rpc_join_group`): a node that caught a peer cheating meets it in neither role."""
+
+    banned: frozenset[PeerID] = frozenset()
+
+    async def _request_join_group(self, leader: PeerID):
+        if leader in self.banned:
+            logger.debug(f"not joining the group of banned peer {leader}")
+            return None
+        return await super()._request_join_group(leader)
 
 
 # ---------------------------------------------------------------------------------------------- bans and faults

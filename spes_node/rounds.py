@@ -5,13 +5,14 @@
 3. frozen experts refreshed from their holders every `refresh_every` rounds, in the background;
 4. the expert-merging warm-up on the node's own experts, when due.
 No step waits for a particular peer: a group of one is a no-op, a failed all-reduce keeps the local weights.
+A node's round moves by one per round; it jumps ahead only by catching up to a round most other nodes report
+(`progress.should_catch_up`), taking their weights instead of averaging its old ones into theirs.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
-import random
 import threading
 import time
 import weakref
@@ -19,11 +20,13 @@ from typing import TYPE_CHECKING
 
 import torch
 from hivemind.p2p import PeerID
+from hivemind.utils.timed_storage import get_dht_time
 
 from spes_node import records, relay
 from spes_node.aio import LoopThread
 from spes_node.averaging import GroupAverager, GroupResult, NesterovOuter, PlainAverage, wire_compression
 from spes_node.merge import merge_alpha, merge_layer, merge_step_due
+from spes_node.progress import rank_holders, should_catch_up, wait_for_peers
 from spes_node.robust import BanList
 from spes_node.sharding import data_part, load_shard_tensors, shard_tensors, shared_parameters
 from spes_node.shards import plan_rebalance
@@ -54,6 +57,13 @@ class SpesRound:
         """Relay addresses of peers that take no direct connections, from their last records."""
         self._frozen_snapshots: dict[int, tuple[list, dict[str, torch.Tensor]]] = {}
         """Served copies of frozen shards, with weak references to the buffers they were copied from."""
+        self._verified: set[str] = set()
+        """Peers that proved themselves: they served us valid state or averaged with us."""
+        self._failed: dict[str, int] = {}
+        """Peers whose downloads failed, with how often; they are asked last."""
+        self._round_started = time.perf_counter()
+        self._round_seconds: float | None = None
+        """How long our last round took (local steps and sync)."""
 
     # ------------------------------------------------------------------ setup
 
@@ -87,7 +97,29 @@ class SpesRound:
             client_mode=self.node.opts.client_mode,
             bans=self.bans,
             swarm_key=self.node.opts.swarm_key,
+            max_weight=float(self.cfg.swarm.sync_steps * self.tokens_per_step()),
         )
+
+    def tokens_per_step(self) -> int:
+        """The most tokens a node trains on in one step (what bounds a peer's averaging weight)."""
+        train = self.cfg.train
+        return train.micro_batch_size * train.grad_accum * (train.seq_len + 1)
+
+    def outer_state_dict(self) -> dict:
+        """The outer optimisers' state, for checkpoints (empty for the plain average)."""
+        return {
+            kind: outer.state_dict()
+            for kind, outer in (("shared", self.shared_outer), ("shard", self.shard_outer))
+            if isinstance(outer, NesterovOuter)
+        }
+
+    def load_outer_state_dict(self, state: dict) -> None:
+        for kind, outer, like in (
+            ("shared", self.shared_outer, shared_parameters(self.node.model)),
+            ("shard", self.shard_outer, shard_tensors(self.node.model, self.node.shard)),
+        ):
+            if isinstance(outer, NesterovOuter) and kind in state:
+                outer.load_state_dict(state[kind], like)
 
     def _outer(self, start: dict[str, torch.Tensor]):
         """The outer optimiser of one group, starting from the weights the next round begins with."""
@@ -143,15 +175,12 @@ class SpesRound:
             self.loop.run(self.server.withdraw(f"{'copy' if own else 'shard'}:{shard}"))
             if own and premerge:
                 parts[f"premerge:{shard}"] = tensors
+            else:  # a premerge snapshot lives for its round only
+                self.loop.run(self.server.withdraw(f"premerge:{shard}"))
         for part, tensors in parts.items():
             self.loop.run(self.server.publish(part, Snapshot(round_, tensors)))
 
     # ------------------------------------------------------------------ the round
-
-    def run_round(self) -> None:
-        """The whole round, training waits for it (as published)."""
-        self.begin_round(overlap=False)
-        self.complete_round()
 
     def begin_round(self, overlap: bool) -> None:
         """Start both all-reduces on a copy of the weights. With `overlap`, training goes on meanwhile and
@@ -164,13 +193,27 @@ class SpesRound:
         weight = float(max(node.tokens_since_sync, 1))
         shared_local = shared_parameters(node.model)
         shard_local = shard_tensors(node.model, node.shard)
-        others = self._live_peers()
+        nodes = records.fetch_nodes(
+            node.dht, node.opts.run_id, self.cfg.swarm.num_shards
+        )  # the round's one read
+        others = self._live_peers(nodes)
         replicas = {peer: n for peer, n in others.items() if node.shard in n.shards}
+        # wait for peers that are about to finish this round, so that a node that fell out of step (a pause, a slow
+        # step) meets the others again instead of missing them round after round
+        extra = wait_for_peers(
+            others,
+            round_=node.status.round,
+            sync_steps=self.cfg.swarm.sync_steps,
+            tokens_per_step=self.tokens_per_step(),
+            now=get_dht_time(),
+            cap=0.5 * self._round_seconds if self._round_seconds else self.cfg.swarm.matchmaking_time,
+        )
         self._inflight = {
             "started": time.perf_counter(),
             "loss": node.end_round_loss(),
-            "shared": self.shared_avg.step(shared_local, weight, gather) if others else None,
-            "shard": self.shard_avg.step(shard_local, weight, gather) if replicas else None,
+            "nodes": nodes,
+            "shared": self.shared_avg.step(shared_local, weight, gather, extra) if others else None,
+            "shard": self.shard_avg.step(shard_local, weight, gather, extra) if replicas else None,
             "sent_shared": _clone(shared_local) if overlap else None,
             "sent_shard": _clone(shard_local) if overlap else None,
         }
@@ -188,7 +231,7 @@ class SpesRound:
         )
 
     def complete_round(self) -> None:
-        node, swarm = self.node, self.cfg.swarm
+        node = self.node
         flight, self._inflight = self._inflight, None
         shared_result, shared_avg = self._finish(self.shared_avg, flight["shared"])
         shard_result, shard_avg = self._finish(self.shard_avg, flight["shard"])
@@ -198,25 +241,23 @@ class SpesRound:
         ):  # fmt: skip
             node.status.add_bytes(kind, result.bytes_sent, result.bytes_received)
             apply_outer(outer, local, sent, averaged)
-        node.status.round = self._next_round(shared_result.peers, shard_result.peers)
+            self._verified.update(peer for peer in result.peers if peer != node.peer_id)
+        # one round further, whatever the group claimed: no peer's claim moves the round (see `progress`)
+        node.status.round += 1
+        self._round_seconds = time.perf_counter() - self._round_started
+        self._round_started = time.perf_counter()
 
-        refreshed = 0
-        due_refresh = node.status.round % swarm.refresh_every == 0
-        sync_step = node.status.round * swarm.sync_steps
-        due_merge = merge_step_due(sync_step, swarm.merge_interval) and swarm.merge_alpha0 > 0
-        # The merge reads every expert as it was before anyone merged: holders serve that state as
-        # "premerge:<j>" and every node merges from the same copies, so replicas stay identical.
-        self.publish_snapshots(premerge=due_merge)
-        if due_refresh or due_merge:
-            self.start_refresh(min_round=node.status.round, kind="premerge" if due_merge else "shard")
-        if due_merge:
-            refreshed = self.finish_pending()
-            self.merge(sync_step)
-            self.publish_snapshots()
-        nodes = records.fetch_nodes(node.dht, node.opts.run_id, swarm.num_shards)  # one read for both
-        self.maybe_rebalance(dict(nodes))
-        self.settle_data_part(nodes)
+        refreshed, merged, caught_up = 0, False, None
+        if not node.stop_event.is_set():  # a stopping node skips what talks to other peers
+            nodes = flight["nodes"]
+            target = should_catch_up(node.status.round, (n.round for n in self._live_peers(nodes).values()))
+            if target is not None:
+                caught_up = self.catch_up(nodes, target)
+            refreshed, merged = self._refresh_and_merge(nodes)
+            self.maybe_rebalance(dict(nodes))
+            self.settle_data_part(nodes)
         seconds = time.perf_counter() - flight["started"]
+        errors = [r.error for r in (shared_result, shard_result) if r.error]
         self.last_report = {
             "round": node.status.round,
             "loss": flight["loss"],
@@ -226,8 +267,12 @@ class SpesRound:
             "bytes_shard": shard_result.bytes_sent + shard_result.bytes_received,
             "seconds": seconds,
             "overlapped": flight["sent_shared"] is not None,
-            "errors": [r.error for r in (shared_result, shard_result) if r.error],
+            "failed_parts": shared_result.failed_reducers + shard_result.failed_reducers,
+            "errors": errors,
             "banned": sorted(self.bans.active()),
+            "merged": merged,
+            "refreshed": refreshed,
+            "caught_up": caught_up,
         }
         logger.info(
             f"round {node.status.round} done: loss {flight['loss']:.4f}, shared group {shared_result.group_size}, "
@@ -235,16 +280,50 @@ class SpesRound:
             f"{(self.last_report['bytes_shared'] + self.last_report['bytes_shard']) / 1e6:.2f} MB averaged, "
             f"{seconds:.1f}s"
             + (" (overlapped)" if self.last_report["overlapped"] else "")
-            + (", merged" if due_merge else "")
+            + (", merged" if merged else "")
             + (f", refreshed {refreshed}" if refreshed else "")
+            + (f", caught up to round {caught_up}" if caught_up is not None else "")
         )
+        for error in errors:
+            logger.warning(f"round {node.status.round}: {error}")
         node.status.state = "training"
 
-    def _live_peers(self) -> dict:
+    def _refresh_and_merge(self, nodes: dict) -> tuple[int, bool]:
+        """Refresh frozen experts (in the background) and run the merge warm-up when due; (refreshed, merged)."""
+        node, swarm = self.node, self.cfg.swarm
+        due_refresh = node.status.round % swarm.refresh_every == 0
+        sync_step = node.status.round * swarm.sync_steps
+        due_merge = (
+            merge_step_due(sync_step, swarm.merge_interval)
+            and merge_alpha(sync_step, swarm.merge_alpha0, swarm.merge_horizon) > 0
+        )
+        # The merge reads every expert as it was before anyone merged: holders serve that state as
+        # "premerge:<j>" for this round only, and every node merges from the same copies, so replicas stay identical.
+        self.publish_snapshots(premerge=due_merge)
+        if due_refresh or due_merge:
+            self.start_refresh(nodes, min_round=node.status.round, kind="premerge" if due_merge else "shard")
+        if not due_merge:
+            return 0, False
+        refreshed = self.finish_pending()
+        self.merge(sync_step)
+        self.publish_snapshots()
+        return refreshed, True
+
+    def catch_up(self, nodes: dict, target: int) -> int | None:
+        """Take the swarm's weights (own shard included) after missing rounds; the round reached, or None."""
+        node = self.node
+        logger.info(f"round {node.status.round} is behind the swarm's {target}: taking the swarm's weights")
+        before = node.status.round
+        self.download_swarm_state(nodes, include_own=True, min_round=target)
+        return node.status.round if node.status.round > before else None
+
+    def _live_peers(self, nodes: dict) -> dict:
         """Other nodes that may be averaging now; when there are none, the round is a local no-op."""
-        nodes = records.fetch_nodes(self.node.dht, self.node.opts.run_id, self.cfg.swarm.num_shards)
-        nodes.pop(self.node.peer_id, None)
-        return {peer: n for peer, n in nodes.items() if n.state in SERVING_STATES and peer not in self.bans}
+        return {
+            peer: n
+            for peer, n in nodes.items()
+            if peer != self.node.peer_id and n.state in SERVING_STATES and peer not in self.bans
+        }
 
     def _finish(self, averager: GroupAverager, handle):
         if handle is None:
@@ -256,45 +335,21 @@ class SpesRound:
                 break
         return averager.finish(handle)
 
-    def _next_round(self, *gathered: dict[str, tuple]) -> int:
-        """One past the highest round among the group (peers' claims are checked: ints within reach of ours)."""
-        current = self.node.status.round
-        highest = current
-        for peers in gathered:
-            for peer, value in peers.items():
-                well_formed = (
-                    isinstance(value, (list, tuple))
-                    and len(value) == 3
-                    and isinstance(value[0], int)
-                    and not isinstance(value[0], bool)
-                    and value[0] >= 0
-                )
-                if not well_formed:
-                    if peer != self.node.peer_id:
-                        logger.warning(f"ignoring malformed round info from {peer}")
-                elif value[0] <= current + 1000:
-                    highest = max(highest, value[0])  # a peer behind us does not lower the round
-                else:
-                    logger.warning(
-                        f"ignoring round {value[0]} from {peer}: more than 1000 rounds ahead of ours"
-                    )
-        return highest + 1
-
     # ------------------------------------------------------------------ frozen experts
 
-    def _holders(self, nodes: dict, shard: int, kind: str = "shard") -> list[str]:
-        """Peers to download a shard from, the most advanced first."""
+    def _holders(self, nodes: dict, shard: int | None) -> list[str]:
+        """Peers to download a shard from (None: the shared parameters, from anyone), best first."""
         self._circuits.update({peer: relay.circuits_of(peer, n.maddrs) for peer, n in nodes.items()})
-        candidates = [
-            (n.round, random.random(), peer)
-            for peer, n in nodes.items()
-            if peer != self.node.peer_id
-            and n.state in SERVING_STATES
-            and relay.serves_state(n)
-            and peer not in self.bans
-            and (kind == "copy" or shard in n.shards)
-        ]
-        return [peer for *_, peer in sorted(candidates, reverse=True)]
+        servable = {peer: n for peer, n in nodes.items() if relay.serves_state(n)}
+        return rank_holders(
+            servable,
+            shard=shard,
+            me=self.node.peer_id,
+            active_states=SERVING_STATES,
+            excluded=self.bans.active(),
+            verified=self._verified,
+            failed=self._failed,
+        )
 
     def _expected(self, part: str) -> dict[str, torch.Size]:
         if part == "shared":
@@ -302,11 +357,12 @@ class SpesRound:
         shard = int(part.split(":")[1])
         return {k: v.shape for k, v in shard_tensors(self.node.model, shard).items()}
 
-    async def _download_from(self, peers: list[str], part: str, min_round: int):
+    async def _download_from(self, peers: list[str], part: str, min_round: int, exact: bool = False):
+        """`part` from the first of `peers` that serves it at round `min_round` or later (exactly, with `exact`)."""
         last_error = None
         for peer in peers:
             try:
-                return await download_part(
+                download = await download_part(
                     self.p2p,
                     PeerID.from_base58(peer),
                     self.node.opts.run_id,
@@ -318,24 +374,34 @@ class SpesRound:
                     circuits=self._circuits.get(peer, ()),
                     swarm_key=self.node.opts.swarm_key,
                 )
+                if download.round < min_round or (exact and download.round != min_round):
+                    raise TransferError(
+                        f"{part} from {peer} is of round {download.round}, we asked for {min_round}"
+                    )
             except TransferError as e:
                 last_error = e
+                self._failed[peer] = self._failed.get(peer, 0) + 1
                 logger.warning(f"download of {part} failed: {e}")
+                continue
+            self._verified.add(peer)
+            self._failed.pop(peer, None)
+            return download
         raise TransferError(f"no peer could serve {part}: {last_error}")
 
-    def start_refresh(self, min_round: int, kind: str = "shard") -> None:
+    def start_refresh(self, nodes: dict, min_round: int, kind: str = "shard") -> None:
         node = self.node
-        nodes = records.fetch_nodes(node.dht, node.opts.run_id, self.cfg.swarm.num_shards)
         wanted = [s for s in range(self.cfg.swarm.num_shards) if s != node.shard]
+        holders = {shard: self._holders(nodes, shard) for shard in wanted}
 
         async def refresh():
             count = 0
             for shard in wanted:
-                peers = self._holders(nodes, shard)
-                if not peers:
+                if not holders[shard]:
                     continue
                 try:
-                    download = await self._download_from(peers, f"{kind}:{shard}", min_round)
+                    download = await self._download_from(
+                        holders[shard], f"{kind}:{shard}", min_round, exact=kind == "premerge"
+                    )
                 except TransferError as e:
                     logger.warning(f"refresh of shard {shard} skipped: {e}")
                     continue
@@ -357,11 +423,23 @@ class SpesRound:
         return len(pending)
 
     def finish_pending(self) -> int:
+        """Wait for the refresh in flight (at most its timeout; a stopping node does not wait) and apply it.
+
+        A refresh that outlives its timeout is cancelled: what it has not delivered by then is never applied."""
         if self._refresh is not None:
-            try:
-                self._refresh.result(timeout=self.cfg.swarm.averaging_timeout * self.cfg.swarm.num_shards)
-            except Exception as e:
-                logger.warning(f"refresh did not finish: {e}")
+            deadline = time.monotonic() + self.cfg.swarm.averaging_timeout * self.cfg.swarm.num_shards
+            while not self._refresh.done() and time.monotonic() < deadline:
+                if self.node.stop_event.is_set():
+                    break
+                try:
+                    self._refresh.result(timeout=0.2)
+                except concurrent.futures.TimeoutError:
+                    continue
+                except Exception as e:
+                    logger.warning(f"refresh failed: {e}")
+            if not self._refresh.done():
+                self._refresh.cancel()
+                logger.warning("refresh did not finish in time: cancelled")
             self._refresh = None
         return self.apply_pending()
 
@@ -386,16 +464,17 @@ class SpesRound:
 
     # ------------------------------------------------------------------ joining and moving
 
-    def download_swarm_state(self, nodes: dict, include_own: bool) -> None:
-        """Take the swarm's current weights: shared parameters, every shard (own shard only if `include_own`)."""
+    def download_swarm_state(self, nodes: dict, include_own: bool, min_round: int = 0) -> None:
+        """Take the swarm's current weights: shared parameters, every shard (own shard only if `include_own`),
+        each of round `min_round` or later."""
         node = self.node
         start = time.perf_counter()
         total = 0
-        shared_peers = self._holders(nodes, -1, kind="copy")
+        shared_peers = self._holders(nodes, None)
         if not shared_peers:
             return
         try:
-            shared = self.loop.run(self._download_from(shared_peers, "shared", 0))
+            shared = self.loop.run(self._download_from(shared_peers, "shared", min_round))
         except TransferError as e:
             logger.warning(f"starting from local weights: {e}")
             return
@@ -412,7 +491,7 @@ class SpesRound:
             if not peers:
                 peers, part = shared_peers, f"copy:{shard}"
             try:
-                download = self.loop.run(self._download_from(peers, part, 0))
+                download = self.loop.run(self._download_from(peers, part, min_round))
             except TransferError as e:
                 logger.warning(f"shard {shard} keeps its local weights: {e}")
                 continue
@@ -461,7 +540,7 @@ class SpesRound:
         peers = self._holders(nodes, new)
         part = f"shard:{new}"
         if not peers:
-            peers, part = self._holders(nodes, new, kind="copy"), f"copy:{new}"
+            peers, part = self._holders(nodes, None), f"copy:{new}"
         try:
             download = self.loop.run(self._download_from(peers, part, 0)) if peers else None
         except TransferError as e:
@@ -480,13 +559,19 @@ class SpesRound:
         node.publish_record()
         logger.info(f"now training shard {new} (was {old})")
 
+    def helper_processes(self) -> list:
+        """The averager processes (to be killed if they do not stop)."""
+        return [a.averager for a in (self.shared_avg, self.shard_avg) if a is not None]
+
     def shutdown(self) -> None:
+        if self._refresh is not None:
+            self._refresh.cancel()
         for averager in (self.shared_avg, self.shard_avg):
             if averager is not None:
                 averager.shutdown()
         try:
-            self.loop.run(self.server.stop(), timeout=5)
-            self.loop.run(self.p2p.shutdown(), timeout=5)
+            self.loop.run(self.server.stop(), timeout=2)
+            self.loop.run(self.p2p.shutdown(), timeout=2)
         except Exception as e:
             logger.debug(f"p2p shutdown: {e}")
         self.loop.stop()

@@ -112,6 +112,8 @@ class StateServer:
                 first = False
 
     async def _wait_for(self, part: str, min_round: int, timeout: float) -> Snapshot | None:
+        """The snapshot of `part` once it is of round `min_round` or later; None if it is not within `timeout`
+        (an older snapshot is never served in its place)."""
         deadline = time.monotonic() + timeout
         async with self._updated:
             while True:
@@ -120,11 +122,12 @@ class StateServer:
                     return snapshot
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return snapshot
+                    return None
                 try:
                     await asyncio.wait_for(self._updated.wait(), remaining)
                 except asyncio.TimeoutError:
-                    return self.snapshots.get(part)
+                    snapshot = self.snapshots.get(part)
+                    return snapshot if snapshot is not None and snapshot.round >= min_round else None
 
 
 def state_tag_prefix(run_id: str) -> str:

@@ -1,0 +1,121 @@
+"""What a node believes about the swarm's progress: its round, and which peers to ask for state.
+
+Records and group data come from peers that may lie. Two rules keep a single peer from steering a node:
+
+- **The round.** A node's round moves by one per round it completes. It jumps ahead only to a round that most of
+  the other live nodes it sees report (`consensus_round`): one peer's claim, however large, moves nobody while
+  two honest nodes see each other, and a node that fell behind (a restart, a long pause) catches up.
+- **Holders.** State is asked first from peers that proved themselves (served us or averaged with us), never
+  from peers whose claimed round is ahead of the consensus, and peers that failed us go last (`rank_holders`).
+
+Pure functions of plain data, so every rule is unit-tested without a network.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Collection, Iterable, Mapping
+from typing import Protocol
+
+ROUND_SLACK = 1
+"""A holder may be this many rounds ahead of the consensus (it finished its round a moment before us)."""
+
+
+class Holder(Protocol):
+    round: int
+    shards: Collection[int]
+    state: str
+
+
+def consensus_round(other_rounds: Iterable[int]) -> int | None:
+    """The highest round that more than half of the other live nodes report (at least), or None without any.
+
+    With one other node this is its round; with two, the lower one; a single peer's claim is outvoted as soon as
+    two others are seen.
+    """
+    rounds = sorted(other_rounds, reverse=True)
+    if not rounds:
+        return None
+    return rounds[len(rounds) // 2]
+
+
+def should_catch_up(own_round: int, other_rounds: Iterable[int], slack: int = ROUND_SLACK) -> int | None:
+    """The round to catch up to when most other live nodes are ahead of `own_round` by more than `slack`, else None.
+
+    One round apart is the normal skew of nodes finishing a round a moment apart; more means this node missed
+    rounds (it was paused, restarted or cut off) and must take the swarm's weights instead of averaging its old
+    ones into theirs. A node that starts from a checkpoint uses no slack.
+    """
+    target = consensus_round(other_rounds)
+    if target is None or target <= own_round + slack:
+        return None
+    return target
+
+
+def rank_holders(
+    nodes: Mapping[str, Holder],
+    *,
+    shard: int | None,
+    me: str,
+    active_states: Collection[str],
+    excluded: Collection[str] = (),
+    verified: Collection[str] = (),
+    failed: Mapping[str, int] | None = None,
+    rng: random.Random | None = None,
+) -> list[str]:
+    """Peers to ask for a shard (`shard` None: anyone, for the shared parameters), best first.
+
+    Order: peers that proved themselves before unknown ones, then fewer recent failures, then at random (so that
+    load spreads). Peers whose claimed round is more than `ROUND_SLACK` ahead of the consensus of the others are
+    left out: an honest holder is never that far ahead, a fake record claiming a huge round is.
+    """
+    failed = failed or {}
+    rng = rng or random.Random()
+    live = {
+        peer: node
+        for peer, node in nodes.items()
+        if peer != me and peer not in excluded and node.state in active_states
+    }
+    consensus = consensus_round(node.round for node in live.values())
+    ranked = []
+    for peer, node in live.items():
+        if shard is not None and shard not in node.shards:
+            continue
+        if consensus is not None and node.round > consensus + ROUND_SLACK:
+            continue
+        ranked.append((peer not in verified, failed.get(peer, 0), rng.random(), peer))
+    return [peer for *_, peer in sorted(ranked)]
+
+
+class Progress(Protocol):
+    round: int
+    step: int
+    state: str
+    tokens_per_s: float
+    updated_at: float
+
+
+def wait_for_peers(
+    others: Mapping[str, Progress],
+    *,
+    round_: int,
+    sync_steps: int,
+    tokens_per_step: int,
+    now: float,
+    cap: float,
+) -> float:
+    """Seconds to keep looking for a group beyond the matchmaking window, at most `cap`.
+
+    A peer of the same round that is still training is expected at the sync when its remaining steps are done
+    (its step and tokens/s as its last record says, minus the record's age). Waiting for it keeps nodes in step:
+    one that fell behind by a few seconds (a pause, a slow step) is met at this round, and both start the next
+    one together, instead of the two missing each other round after round.
+    """
+    longest = 0.0
+    for node in others.values():
+        if node.round != round_ or node.state != "training" or not node.tokens_per_s > 0:
+            continue
+        steps_left = min(max((round_ + 1) * sync_steps - node.step, 0), sync_steps)
+        eta = steps_left * tokens_per_step / node.tokens_per_s - max(0.0, now - node.updated_at)
+        longest = max(longest, eta)
+    return min(max(longest, 0.0), max(cap, 0.0))

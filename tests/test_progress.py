@@ -1,0 +1,91 @@
+"""The rules that keep one peer from steering a node's round or its choice of holders (pure, no network)."""
+
+import random
+from dataclasses import dataclass, field
+
+from spes_node.progress import consensus_round, rank_holders, should_catch_up, wait_for_peers
+
+ACTIVE = ("training", "averaging")
+
+
+@dataclass
+class Rec:
+    round: int = 0
+    shards: list = field(default_factory=lambda: [0])
+    state: str = "training"
+    step: int = 0
+    tokens_per_s: float = 0.0
+    updated_at: float = 0.0
+
+
+def test_a_single_inflated_claim_moves_nobody_once_two_others_are_seen():
+    honest, liar = 10, 10_000
+    assert consensus_round([honest, liar]) == honest
+    assert should_catch_up(10, [honest, liar]) is None
+    # three rounds of +999 claims: the honest node's round still moves by one per round
+    own = 10
+    for claim in (1009, 2008, 3007):
+        assert should_catch_up(own, [own, claim]) is None
+        own += 1
+    assert own == 13
+
+
+def test_a_node_behind_most_of_the_swarm_catches_up():
+    assert should_catch_up(3, [9, 9, 9]) == 9
+    assert should_catch_up(3, [9, 9, 2]) == 9, "most others are at 9"
+    assert should_catch_up(3, [9, 2, 2]) is None, "most others are not ahead"
+    assert should_catch_up(8, [9, 9]) is None, "one round apart is normal skew"
+    assert should_catch_up(8, [9, 9], slack=0) == 9, "a resumed node takes any lead"
+    assert should_catch_up(3, []) is None
+
+
+def test_a_fake_holder_claiming_a_huge_round_is_never_asked():
+    nodes = {"honest": Rec(round=5), "other": Rec(round=5, shards=[1]), "fake": Rec(round=10**6)}
+    ranked = rank_holders(nodes, shard=0, me="me", active_states=ACTIVE)
+    assert ranked == ["honest"]
+
+
+def test_verified_holders_come_first_and_failed_ones_last():
+    nodes = {name: Rec(round=5) for name in ("a", "b", "c", "d")}
+    for seed in range(5):
+        ranked = rank_holders(
+            nodes,
+            shard=0,
+            me="a",
+            active_states=ACTIVE,
+            verified={"d"},
+            failed={"b": 2},
+            rng=random.Random(seed),
+        )
+        assert ranked == ["d", "c", "b"]
+
+
+def test_holders_exclude_banned_leaving_and_other_shards():
+    nodes = {
+        "banned": Rec(round=1),
+        "leaving": Rec(round=1, state="leaving"),
+        "elsewhere": Rec(round=1, shards=[2]),
+        "good": Rec(round=1),
+    }
+    assert rank_holders(nodes, shard=0, me="me", active_states=ACTIVE, excluded={"banned"}) == ["good"]
+    shared = rank_holders(nodes, shard=None, me="me", active_states=ACTIVE, excluded={"banned"})
+    assert sorted(shared) == ["elsewhere", "good"]
+
+
+def test_wait_for_a_peer_that_is_about_to_finish_its_round():
+    # H = 10 steps of 100 tokens; the peer is 4 steps from the sync at 200 tokens/s: 2 s, its record 0.5 s old
+    peer = Rec(round=3, step=36, tokens_per_s=200.0, updated_at=99.5)
+    wait = wait_for_peers({"p": peer}, round_=3, sync_steps=10, tokens_per_step=100, now=100.0, cap=30.0)
+    assert abs(wait - 1.5) < 1e-9
+    assert (
+        wait_for_peers({"p": peer}, round_=3, sync_steps=10, tokens_per_step=100, now=100.0, cap=1.0) == 1.0
+    )
+    # peers already at the sync, of another round, or without a throughput figure are not waited for
+    for other in (
+        Rec(round=3, step=36, state="averaging", tokens_per_s=200.0),
+        Rec(round=4, step=46, tokens_per_s=200.0),
+        Rec(round=3, step=36, tokens_per_s=0.0),
+    ):
+        assert (
+            wait_for_peers({"p": other}, round_=3, sync_steps=10, tokens_per_step=100, now=0.0, cap=30.0) == 0
+        )
