@@ -210,17 +210,27 @@ def join(
 @option("--preset", default="tiny", show_default=True)
 @option("--config", type=click.Path(dir_okay=False), help="Config file instead of a preset.")
 @option("--max-rounds", default=5, show_default=True, type=click.IntRange(1))
-@option("--workdir", default="runs/simulate", show_default=True, type=click.Path(file_okay=False))
+@option(
+    "--workdir",
+    default="runs/simulate",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Each run writes its config, logs and checkpoints into a new run-NNN directory in it; nothing there "
+    "is deleted.",
+)
+@option("--run-id", default="simulate", show_default=True, help="Name of the simulated swarm (for `status`).")
 @option("--data", help="Data spec for every node (default: the config's).")
 @user_errors
-def simulate(nodes, preset, config, max_rounds, workdir, data) -> None:
+def simulate(nodes, preset, config, max_rounds, workdir, run_id, data) -> None:
     """A local swarm: a bootstrap DHT plus N daemons on 127.0.0.1, a live view, then a summary."""
     from spes_node.logs import setup_logging
     from spes_node.simulate import run_simulation
 
     setup_logging("WARNING")
     cfg = load_cfg(config, None if config else preset)
-    code = run_simulation(cfg, num_nodes=nodes, max_rounds=max_rounds, workdir=Path(workdir), data=data)
+    code = run_simulation(
+        cfg, num_nodes=nodes, max_rounds=max_rounds, workdir=Path(workdir), data=data, run_id=run_id
+    )
     sys.exit(code)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
+import re
 import subprocess
 import sys
 import time
@@ -13,105 +13,166 @@ from pathlib import Path
 
 from spes_node import records
 from spes_node.bootstrap import start_bootstrap
+from spes_node.checkpoint import os_reason
 from spes_node.config import SpesConfig, load_preset
+
+RUN_DIR = re.compile(r"run-(\d+)")
+RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def new_run_dir(workdir: Path) -> Path:
+    """A new, empty `workdir/run-NNN` for one simulation. Nothing already in `workdir` (earlier runs, the user's
+    files, the current directory) is deleted or written to."""
+    if workdir.exists() and not workdir.is_dir():
+        raise ValueError(f"--workdir: {workdir} is not a directory")
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        taken = [int(m[1]) for entry in workdir.iterdir() if (m := RUN_DIR.fullmatch(entry.name))]
+        number = max(taken, default=0) + 1
+        while True:
+            run_dir = workdir / f"run-{number:03d}"
+            try:
+                run_dir.mkdir()  # atomic: two simulations started at once get different directories
+                return run_dir
+            except FileExistsError:
+                number += 1
+    except OSError as e:
+        raise ValueError(f"--workdir: cannot make a run directory in {workdir}: {os_reason(e)}") from None
+
+
+def status_command(maddrs: list[str], run_id: str) -> str:
+    return "spes-node status " + " ".join(f"--peers {m}" for m in maddrs) + f" --run-id {run_id}"
+
+
+def start_daemon(cmd: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
+    with open(log_path, "w") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def run_simulation(
-    cfg: SpesConfig | None, num_nodes: int | None, max_rounds: int, workdir: Path, data: str | None
+    cfg: SpesConfig | None,
+    num_nodes: int | None,
+    max_rounds: int,
+    workdir: Path,
+    data: str | None,
+    run_id: str = "simulate",
 ) -> int:
+    if not RUN_ID.fullmatch(run_id):
+        raise ValueError(f"--run-id: use 1-64 letters, digits, '_' or '-', got '{run_id}'")
     cfg = cfg or load_preset("tiny")
     num_shards = cfg.swarm.num_shards
     num_nodes = num_nodes or min(num_shards, 16)
+    run_dir = new_run_dir(workdir)
     if num_nodes < num_shards:
         # a node holds one shard: the experts of the others stay at their initial values
         print(
             f"warning: {num_nodes} nodes for {num_shards} shards: shards {list(range(num_nodes, num_shards))} "
             "will have no holder and their experts will not train"
         )
-    if workdir.exists():
-        shutil.rmtree(workdir)
-    workdir.mkdir(parents=True)
-    config_path = workdir / "config.json"
+    config_path = run_dir / "config.json"
     config_path.write_text(cfg.to_json())
-    run_id = "simulate"
     bootstrap = start_bootstrap(["/ip4/127.0.0.1/tcp/0"])
-    maddrs = [str(m) for m in bootstrap.get_visible_maddrs()]
-    print(f"bootstrap DHT at {maddrs[0]}")
-    print(
-        f"{num_nodes} nodes, preset {cfg.name}, {max_rounds} rounds of {cfg.swarm.sync_steps} steps; logs in {workdir}/"
-    )
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    procs = []
-    for i in range(num_nodes):
-        node_dir = workdir / f"node{i}"
-        node_dir.mkdir()
-        cmd = [
-            sys.executable,
-            "-m",
-            "spes_node.cli",
-            "join",
-            "--run-id",
-            run_id,
-            "--config",
-            str(config_path),
-            "--checkpoint-dir",
-            str(node_dir),
-            "--max-rounds",
-            str(max_rounds),
-            "--device",
-            "cpu",
-            "--host-maddrs",
-            "/ip4/127.0.0.1/tcp/0",
-            "--public-name",
-            f"node{i}",
-        ]
-        for m in maddrs:
-            cmd += ["--peers", m]
-        if data:
-            cmd += ["--data", data]
-        log = open(workdir / f"node{i}.log", "w")
-        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+    procs: list[subprocess.Popen] = []
     start = time.monotonic()
     try:
-        while any(p.poll() is None for p, _ in procs):
-            _show(records.fetch_nodes(bootstrap, run_id), time.monotonic() - start)
+        maddrs = [str(m) for m in bootstrap.get_visible_maddrs()]
+        watch = status_command(maddrs[:1], run_id)
+        print(f"bootstrap DHT at {maddrs[0]}")
+        print(
+            f"{num_nodes} nodes, preset {cfg.name}, swarm '{run_id}', {max_rounds} rounds of "
+            f"{cfg.swarm.sync_steps} steps; logs in {run_dir}/"
+        )
+        print(f"to watch it from another terminal: {watch}")
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        for i in range(num_nodes):
+            node_dir = run_dir / f"node{i}"
+            node_dir.mkdir()
+            cmd = [
+                sys.executable,
+                "-m",
+                "spes_node.cli",
+                "join",
+                "--run-id",
+                run_id,
+                "--config",
+                str(config_path),
+                "--checkpoint-dir",
+                str(node_dir),
+                "--max-rounds",
+                str(max_rounds),
+                "--device",
+                "cpu",
+                "--host-maddrs",
+                "/ip4/127.0.0.1/tcp/0",
+                "--public-name",
+                f"node{i}",
+            ]
+            for m in maddrs:
+                cmd += ["--peers", m]
+            if data:
+                cmd += ["--data", data]
+            procs.append(start_daemon(cmd, run_dir / f"node{i}.log", env))
+        while any(p.poll() is None for p in procs):
+            nodes = records.fetch_nodes(bootstrap, run_id)
+            _show(table(procs, nodes, time.monotonic() - start), watch)
             time.sleep(2.0)
     except KeyboardInterrupt:
-        for p, _ in procs:
-            p.terminate()
-        for p, _ in procs:
-            p.wait(timeout=60)
+        for p in procs:
+            p.terminate()  # each daemon checkpoints and leaves within seconds (see `Node.shutdown`)
+        deadline = time.monotonic() + 60
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
     finally:
-        for _, log in procs:
-            log.close()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
         bootstrap.shutdown()
-    return _summary(workdir, procs, time.monotonic() - start)
+    return _summary(run_dir, procs, time.monotonic() - start)
 
 
-def _show(nodes: dict, elapsed: float) -> None:
-    tty = sys.stdout.isatty()
+def table(procs: list[subprocess.Popen], nodes: dict[str, records.NodeInfo], elapsed: float) -> list[str]:
+    """One row per started daemon (`nodeI`): its record's progress, or `starting` until its first record appears
+    (and `exited N` once it is gone without one)."""
+    by_name = {node.public_name: node for node in nodes.values()}
     lines = [
         f"[{elapsed:5.0f}s] {'node':<8} {'shard':>5} {'round':>5} {'step':>6} {'loss':>7} {'tok/s':>7}  state"
     ]
-    for node in sorted(nodes.values(), key=lambda n: n.public_name or n.peer_id):
+    for i, proc in enumerate(procs):
+        name = f"node{i}"
+        node = by_name.get(name)
+        if node is None:
+            code = proc.poll()
+            state = "starting" if code is None else f"exited {code}"
+            lines.append(f"{'':8} {name:<8} {'-':>5} {'-':>5} {'-':>6} {'-':>7} {'-':>7}  {state}")
+            continue
         lines.append(
-            f"{'':8} {node.public_name or node.peer_id[-8:]:<8} {','.join(map(str, node.shards)):>5} {node.round:>5} "
+            f"{'':8} {name:<8} {','.join(map(str, node.shards)) or '-':>5} {node.round:>5} "
             f"{node.step:>6} {node.loss:>7.3f} {node.tokens_per_s:>7.0f}  {node.state}"
         )
-    if tty:
+    return lines
+
+
+def _show(lines: list[str], watch: str) -> None:
+    if sys.stdout.isatty():
+        # the screen is cleared for each refresh: keep the status command (printed once at the start) in view
+        lines = [*lines, f"watch: {watch}"]
         sys.stdout.write("\x1b[2J\x1b[H" + "\n".join(lines) + "\n")
     else:
         sys.stdout.write("\n".join(lines) + "\n")
     sys.stdout.flush()
 
 
-def _summary(workdir: Path, procs, elapsed: float) -> int:
+def _summary(workdir: Path, procs: list[subprocess.Popen], elapsed: float) -> int:
     print(f"\nsummary after {elapsed:.0f}s")
     print(
         f"{'node':<6} {'exit':>4} {'shard':>5} {'rounds':>6} {'first loss':>10} {'last loss':>9} {'tok/s':>7} {'MB/round':>8}"
     )
     failed = 0
-    for i, (proc, _) in enumerate(procs):
+    for i, proc in enumerate(procs):
         path = workdir / f"node{i}" / "summary.json"
         if proc.returncode != 0 or not path.exists():
             failed += 1

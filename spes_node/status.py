@@ -39,6 +39,48 @@ class SwarmNotFound(ValueError):
     """No config and no node record under the run id."""
 
 
+KNOWN_RUN_IDS = ("spes", "simulate")
+"""The default run ids of `join`/`status` and of `simulate`. The DHT cannot list the run ids it holds, so when a
+run id is not found these are looked up, as the likeliest names of the swarm the user meant."""
+
+
+def other_swarms(dht: hivemind.DHT, run_id: str) -> list[str]:
+    """Which of `KNOWN_RUN_IDS` (other than `run_id`) have a config or node records at these peers."""
+    from spes_node import records
+
+    found = []
+    for other in KNOWN_RUN_IDS:
+        if other == run_id:
+            continue
+        try:
+            held = records.fetch_config(dht, other) is not None or bool(records.fetch_nodes(dht, other))
+        except ValueError:  # conflicting configs published under that run id: a swarm all the same
+            held = True
+        except Exception as e:  # a failed lookup only costs the hint
+            logger.debug(f"could not look up swarm '{other}': {e}")
+            held = False
+        if held:
+            found.append(other)
+    return found
+
+
+def other_swarms_hint(dht: hivemind.DHT, run_id: str) -> str:
+    """'; the peers hold swarm 'simulate' (pass --run-id simulate)' or, with none found, advice on --run-id."""
+    others = other_swarms(dht, run_id)
+    if others:
+        names = " and ".join(f"'{other}'" for other in others)
+        return f"; the peers hold swarm {names} (pass --run-id {others[0]})"
+    return "; check --run-id (a node logs the complete join and status commands when it starts)"
+
+
+def no_swarm_message(dht: hivemind.DHT, run_id: str) -> str:
+    """What a node says when the peers answered but hold no swarm under its run id (never: found a new one)."""
+    return (
+        f"no swarm '{run_id}' at the given peers: they answered but hold no config under that run id"
+        + other_swarms_hint(dht, run_id)
+    )
+
+
 # ---------------------------------------------------------------------------------------------- summary
 
 
@@ -348,7 +390,7 @@ def find_swarm(dht: hivemind.DHT, run_id: str, timeout: float) -> dict[str, Any]
             return fetch_summary(dht, run_id)
         except SwarmNotFound as e:
             if time.monotonic() + POLL_S > deadline:
-                raise SwarmNotFound(f"{e} after {timeout:.0f}s") from None
+                raise SwarmNotFound(f"{e} after {timeout:.0f}s{other_swarms_hint(dht, run_id)}") from None
         time.sleep(POLL_S)
 
 
