@@ -21,6 +21,12 @@ def merge_step_due(step: int, interval: int) -> bool:
     return step % interval == 0
 
 
+def merge_due(step: int, interval: int, alpha0: float, horizon: int) -> bool:
+    """Whether a merge (and the premerge download it needs) happens at this sync step: on the interval, while
+    the warm-up's alpha is still above zero."""
+    return merge_step_due(step, interval) and merge_alpha(step, alpha0, horizon) > 0
+
+
 def merge_layer(
     gate_up: torch.Tensor, down: torch.Tensor, alpha: float, k: int, update: Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -148,6 +148,7 @@ class Node:
         self.peer_id = self.dht.peer_id.to_base58()
         self.cfg = self._agree_on_config()
         self.config_hash = self.cfg.hash()
+        self._log_swarm_commands(self.config_hash)
         _write_atomic(opts.checkpoint_dir / "config.json", self.cfg.to_json())
         self.device = resolve_device(opts.device)
         torch.manual_seed(self.cfg.train.seed)
@@ -231,8 +232,11 @@ class Node:
             resumed_round = self.status.round
             self.sync.download_swarm_state(nodes, include_own=True, min_round=behind)
             if self.status.round > resumed_round:
-                logger.info(f"caught up from round {resumed_round} to the swarm's round {self.status.round}")
                 self.save_checkpoint()
+                logger.info(
+                    f"caught up from round {resumed_round} to the swarm's round {self.status.round} "
+                    f"(checkpoint at step {self.trainer.step})"
+                )
         self.status.state = "training"
         self.publish_record()
         self._wait_for_peers()
@@ -317,13 +321,25 @@ class Node:
         if peers := " ".join(f"--peers {m}" for m in (self.visible_maddrs or opts.peers)):
             swarm = f"{peers} --run-id {opts.run_id}"
             swarm += " --swarm-key-file YOUR_SWARM_KEY_FILE" if opts.swarm_key else ""
-            logger.info(f"to join this swarm: spes-node join {swarm}")
-            logger.info(f"to watch it: spes-node status {swarm}")
+            self._swarm_args = swarm
+            self._log_swarm_commands(self.cfg.hash() if self.cfg is not None else opts.config_hash)
         if opts.relays:
             circuits = relay.circuit_maddrs(opts.relays, dht.peer_id.to_base58())
             logger.info(f"reachable through {len(circuits)} relay(s): {', '.join(circuits)}")
             self.visible_maddrs = [*circuits, *self.visible_maddrs][: records.MAX_MADDRS]
         return dht
+
+    def _log_swarm_commands(self, config_hash: str | None) -> None:
+        """Log the complete commands that join and watch this swarm, with the config hash that anchors a joiner
+        (--config-hash) once it is known; logged again when the config is agreed if the hash was not known yet."""
+        swarm, logged = getattr(self, "_swarm_args", ""), getattr(self, "_logged_config_hash", None)
+        if not swarm or (config_hash is not None and config_hash == logged):
+            return
+        if config_hash:
+            swarm += f" --config-hash {config_hash}"
+        self._logged_config_hash = config_hash
+        logger.info(f"to join this swarm: spes-node join {swarm}")
+        logger.info(f"to watch it: spes-node status {swarm}")
 
     def _agree_on_config(self) -> SpesConfig:
         """The swarm config, anchored: the node takes only the config whose hash (recomputed from its JSON) is the

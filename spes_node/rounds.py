@@ -25,7 +25,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from spes_node import records, relay
 from spes_node.aio import LoopThread
 from spes_node.averaging import GroupAverager, GroupResult, NesterovOuter, PlainAverage, wire_compression
-from spes_node.merge import merge_alpha, merge_layer, merge_step_due
+from spes_node.merge import merge_alpha, merge_due, merge_layer
 from spes_node.progress import rank_holders, should_catch_up, wait_for_peers
 from spes_node.robust import BanList
 from spes_node.sharding import data_part, load_shard_tensors, shard_tensors, shared_parameters
@@ -208,6 +208,11 @@ class SpesRound:
             now=get_dht_time(),
             cap=0.5 * self._round_seconds if self._round_seconds else self.cfg.swarm.matchmaking_time,
         )
+        logger.info(
+            f"round {node.status.round + 1}: looking for groups ({len(others)} live peers"
+            + (f", waiting up to {extra:.1f}s more for peers about to finish" if extra > 0 else "")
+            + ")"
+        )
         self._inflight = {
             "started": time.perf_counter(),
             "loss": node.end_round_loss(),
@@ -293,10 +298,7 @@ class SpesRound:
         node, swarm = self.node, self.cfg.swarm
         due_refresh = node.status.round % swarm.refresh_every == 0
         sync_step = node.status.round * swarm.sync_steps
-        due_merge = (
-            merge_step_due(sync_step, swarm.merge_interval)
-            and merge_alpha(sync_step, swarm.merge_alpha0, swarm.merge_horizon) > 0
-        )
+        due_merge = merge_due(sync_step, swarm.merge_interval, swarm.merge_alpha0, swarm.merge_horizon)
         # The merge reads every expert as it was before anyone merged: holders serve that state as
         # "premerge:<j>" for this round only, and every node merges from the same copies, so replicas stay identical.
         self.publish_snapshots(premerge=due_merge)

@@ -142,3 +142,15 @@ def test_merge_step_due():
     assert [step for step in range(0, 1600, 100) if merge_step_due(step, 500)] == [0, 500, 1000, 1500]
     with pytest.raises(ValueError, match="interval"):
         merge_step_due(10, 0)
+
+
+def test_no_merge_and_no_premerge_download_once_the_warm_up_is_over():
+    from spes_node.merge import merge_due
+
+    # interval 500, alpha0 0.05, horizon 10000: merges at 500 ... 9500, none at 10000 and after (alpha = 0)
+    assert merge_due(500, 500, 0.05, 10_000)
+    assert merge_due(9_500, 500, 0.05, 10_000)
+    assert not merge_due(10_000, 500, 0.05, 10_000)
+    assert not merge_due(20_000, 500, 0.05, 10_000)
+    assert not merge_due(750, 500, 0.05, 10_000), "not on the interval"
+    assert not merge_due(500, 500, 0.0, 10_000), "warm-up switched off"

@@ -1,0 +1,114 @@
+"""Nodes that fall out of step: a paused node, a node restarted behind the swarm. Real daemons on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import time
+
+import pytest
+import torch
+from swarm_utils import Swarm
+
+from spes_node.checkpoint import CheckpointManager
+from spes_node.procs import descendants
+
+pytestmark = pytest.mark.swarm
+
+WIRE = {"rtol": 2e-3, "atol": 2e-4}
+"""fp16 on the wire: a downloaded copy equals its source within this."""
+
+
+@pytest.fixture
+def make_swarm(tmp_path):
+    made: list[Swarm] = []
+
+    def make(**overrides) -> Swarm:
+        made.append(Swarm(tmp_path, **overrides))
+        return made[-1]
+
+    yield make
+    for swarm in made:
+        swarm.close()
+
+
+def test_a_paused_node_neither_stalls_the_other_nor_drops_out_of_its_groups(make_swarm):
+    matchmaking, pause = 3.0, 6.0
+    swarm = make_swarm(matchmaking_time=matchmaking, averaging_timeout=30.0, heartbeat_s=2.0)
+    for name in ("steady", "paused"):
+        swarm.start(name, "--max-rounds", "5", "--wait-peers", "2")
+    # freeze one node, all its processes, the moment it reaches the end of round 2's steps (as a machine that
+    # stalls would), for `pause` seconds
+    swarm.wait_for(
+        lambda: "round 2: looking for groups" in swarm.log("paused"), 240, "paused to reach round 2"
+    )
+    node = swarm.procs["paused"].pid
+    frozen = [node, *descendants(node)]
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(pause)  # the fault itself: a pause of a known length
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+    for name in ("steady", "paused"):
+        assert swarm.wait_exit(name, 240) == 0, swarm.log(name)[-3000:]
+
+    rounds = swarm.summary("steady")["rounds"]
+    print(
+        "\nsteady node, rounds (seconds, shared group):", [(r["seconds"], r["shared_group"]) for r in rounds]
+    )
+    # round 2 of the steady node: it stops looking after its matchmaking window (twice the matchmaking time)
+    # plus the pause at most (before: 2 x 3 s + the 30 s averaging timeout = 36 s, in a group of one)
+    limit = 2 * matchmaking + pause + 6.0  # 6 s of slack for a loaded machine
+    assert rounds[1]["seconds"] < limit, rounds
+    # and the two average together again afterwards
+    assert any(r["shared_group"] == 2 for r in rounds[2:]), rounds
+
+
+def test_a_node_restarted_behind_the_swarm_takes_its_shard_from_a_live_replica(make_swarm):
+    swarm = make_swarm(num_shards=2, heartbeat_s=2.0)
+    swarm.cfg = swarm.cfg.replace(train={"keep_checkpoints": 100})
+    swarm.config_path.write_text(swarm.cfg.to_json())
+    for name in ("live", "restarted"):
+        swarm.start(name, "--shard", "0", "--wait-peers", "2")
+
+    def round_of(name: str) -> int:
+        return max((n.round for n in swarm.nodes().values() if n.public_name == name), default=-1)
+
+    swarm.wait_for(lambda: min(round_of("live"), round_of("restarted")) >= 2, 240, "two rounds together")
+    swarm.procs["restarted"].send_signal(signal.SIGTERM)
+    assert swarm.wait_exit("restarted", 60) == 0, swarm.log("restarted")[-3000:]
+    stopped_at = swarm.checkpoint("restarted").meta["round"]
+    swarm.wait_for(
+        lambda: round_of("live") >= stopped_at + 5, 240, "the live replica to train 5 rounds alone"
+    )
+
+    swarm.expected_deaths.discard("restarted")
+    swarm.start("restarted", "--shard", "0")
+    found = swarm.wait_for(
+        lambda: re.search(r"caught up from round (\d+) to the swarm's round (\d+) \(checkpoint at step (\d+)\)",
+                          swarm.log("restarted")),
+        240,
+        "the restarted node to catch up",
+    )  # fmt: skip
+    assert int(found[1]) == stopped_at and int(found[2]) >= stopped_at + 5, found[0]
+    step = int(found[3])
+    caught_up = _checkpoint_at(swarm, "restarted", step)
+    live = _checkpoint_at(swarm, "live", step)
+    assert caught_up.meta["round"] == live.meta["round"] == int(found[2])
+    for name, tensor in live.tensors.items():
+        torch.testing.assert_close(caught_up.tensors[name].float(), tensor.float(), **WIRE, msg=name)
+
+
+def _checkpoint_at(swarm: Swarm, name: str, step: int):
+    """The node's checkpoint of `step` (loaded through the manager, from a copy of that checkpoint alone)."""
+    paths = [p for p in CheckpointManager(swarm.tmp / name).list() if p.name.endswith(f"{step:08d}")]
+    assert paths, f"{name} has no checkpoint at step {step}"
+    alone = swarm.tmp / f"{name}-step-{step}"
+    shutil.copytree(paths[0], alone / paths[0].name)
+    checkpoint = CheckpointManager(alone).latest()
+    assert checkpoint is not None and checkpoint.step == step
+    return checkpoint
