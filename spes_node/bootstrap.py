@@ -7,9 +7,8 @@ import signal
 import threading
 
 import hivemind
-from hivemind.dht.crypto import RSASignatureValidator
 
-from spes_node import relay
+from spes_node import records, relay
 from spes_node.identity import load_or_create_identity
 from spes_node.procs import NodeDHT
 
@@ -33,7 +32,7 @@ def start_bootstrap(
         host_maddrs=list(host_maddrs),
         announce_maddrs=list(announce_maddrs) or None,
         identity_path=identity,
-        record_validators=[RSASignatureValidator()],
+        record_validators=records.record_validators(),
         authorizer=swarm_key.authorizer() if swarm_key else None,
         start=True,
         **relay.dht_kwargs((), reachability),

@@ -72,6 +72,10 @@ def main() -> None:
 @option("--preset", help="Named config from configs/ (tiny, small, spes-1b, spes-7b).")
 @option("--run-id", default="spes", show_default=True, help="Name of the swarm (training run).")
 @option(
+    "--config-hash",
+    help="Hash of the swarm's config (the founder prints it): join only a swarm that runs this config.",
+)
+@option(
     "--host-maddrs", multiple=True, help="Multiaddrs to listen on (default: all interfaces, random port)."
 )
 @option("--announce-maddrs", multiple=True, help="Multiaddrs other peers should dial (public address).")
@@ -127,6 +131,7 @@ def join(
     config,
     preset,
     run_id,
+    config_hash,
     host_maddrs,
     announce_maddrs,
     identity,
@@ -162,6 +167,14 @@ def join(
         raise ValueError(f"--shard: {shard} is out of range [0, {cfg.swarm.num_shards})")
     if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
         raise ValueError(f"--device: expected auto, cpu or cuda, got '{device}'")
+    if config_hash:
+        from spes_node.records import check_config_hash
+
+        config_hash = check_config_hash(config_hash)
+        if cfg is not None and cfg.hash() != config_hash:
+            raise ValueError(
+                f"--config-hash: {config_hash[:12]} is not the hash of the given --preset/--config ({cfg.hash()[:12]})"
+            )
     relays = list(relays) or (list(peers) if auto_relay else [])
     if (relays or auto_relay) and not peers:
         raise ValueError("--relay/--auto-relay: relays are for nodes that join a swarm; pass --peers too")
@@ -195,6 +208,7 @@ def join(
         wait_peers=wait_peers,
         init_from=Path(init_from) if init_from else None,
         swarm_key=load_swarm_key(swarm_key, swarm_key_file),
+        config_hash=config_hash or None,
     )
     node = Node(cfg, opts)
     node.install_signal_handlers()

@@ -405,10 +405,9 @@ class Node:
                 )
             )
         elif cfg is None:
-            raise NodeError(
-                f"no swarm '{opts.run_id}' with config {anchor[:12]} ({source}) found at the given peers; "
-                f"pass --preset or --config to found it"
-            )
+            from spes_node.status import no_swarm_message
+
+            raise NodeError(no_swarm_message(self.dht, opts.run_id))
         else:
             record = None
             logger.info(f"founding swarm '{opts.run_id}' (config {cfg.hash()[:12]})")

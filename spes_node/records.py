@@ -7,10 +7,19 @@ hivemind's ``RSASignatureValidator`` lets only that owner write it:
 - node records: subkey = ``peer_id.encode() + validator.local_public_key``;
 - config records: subkey = ``validator.local_public_key``.
 
-The DHT must be created with ``record_validators=[validator]`` for the same private key that is
-passed to the functions here (readers too: without the validator, hivemind cannot strip the
-signatures of what it reads). Everything read from the network is validated; a bad record is
-skipped with a warning and never raises.
+The DHT must be created with ``record_validators=record_validators(validator)`` for the same
+private key that is passed to the functions here (readers too: without the signature validator,
+hivemind cannot strip the signatures of what it reads). ``RecordSizeValidator`` among them makes
+every honest peer refuse to store an oversized record, so that none lands in honest storage: a DHT
+peer answers a read with all subkeys of a key in one message, and one that exceeds the transport's
+message limit fails the read of every subkey of that peer. Everything read from the network is
+validated again; a bad record is skipped with a warning and never raises, and a read that fails
+says so (the ``problems`` list of the fetch functions collects what went wrong, for ``status``).
+
+The swarm config is anchored, never elected: ``fetch_config`` with a ``config_hash`` (given by the
+user, or known from a checkpoint) takes only that config; without one it takes the config only if
+every published copy agrees, and raises ``ConfigConflict`` otherwise. Counting copies decides
+nothing (anyone can publish many).
 """
 
 from __future__ import annotations
@@ -20,12 +29,12 @@ import json
 import logging
 import math
 import re
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 
 from spes_node import __version__
@@ -35,6 +44,10 @@ from spes_node.proto import NodeRecord, SwarmConfigRecord
 logger = logging.getLogger(__name__)
 
 MAX_VALUE_BYTES = 64 * 1024
+MAX_SIGNATURE_BYTES = 2048
+"""What hivemind adds to a value it stores: its serialization header and an RSA signature (a few hundred bytes)."""
+MAX_SUBKEY_BYTES = 4096
+"""A serialized subkey: a peer id (or nothing) and an "[owner:ssh-rsa ...]" marker."""
 MAX_SHARDS_PER_NODE = 1024
 MAX_DATA_PARTS = 1 << 20
 MAX_LOSS_HISTORY = 64
@@ -53,6 +66,61 @@ _STATE_TO_PROTO = {name: NodeRecord.State.Value(name.upper()) for name in STATES
 _PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]+")
 _OWNER_RE = re.compile(rb"\[owner:.+?\]")
 _HASH_RE = re.compile(r"[0-9a-f]{64}")
+
+
+class RecordSizeValidator(RecordValidatorBase):
+    """Refuses DHT records whose value or subkey is larger than any record of a swarm, when they are stored and
+    when they are read.
+
+    hivemind runs the validators of a DHT peer on every record another peer asks it to store, so with this one
+    installed in every DHT the project opens, an oversized value never lands in honest storage. That matters
+    beyond the record itself: a peer answers a read with all subkeys of a key in one message, and an answer over
+    the transport's message limit (4 MiB) fails as a whole, hiding every good subkey along with the bad one.
+    It runs before ``RSASignatureValidator`` (higher priority), so a huge value is refused before its signature
+    is hashed; it sees the value as stored (serialized and signed), hence the allowance for the signature.
+    """
+
+    def __init__(
+        self,
+        max_value_bytes: int = MAX_VALUE_BYTES + MAX_SIGNATURE_BYTES,
+        max_subkey_bytes: int = MAX_SUBKEY_BYTES,
+    ):
+        self.max_value_bytes, self.max_subkey_bytes = max_value_bytes, max_subkey_bytes
+
+    def validate(self, record: DHTRecord) -> bool:
+        return (
+            len(record.value) <= self.max_value_bytes and len(record.subkey or b"") <= self.max_subkey_bytes
+        )
+
+    @property
+    def priority(self) -> int:
+        return 20  # validated before RSASignatureValidator (priority 10), which checks and strips signatures
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        if not isinstance(other, RecordSizeValidator):
+            return False
+        self.max_value_bytes = min(self.max_value_bytes, other.max_value_bytes)
+        self.max_subkey_bytes = min(self.max_subkey_bytes, other.max_subkey_bytes)
+        return True
+
+
+def record_validators(validator: RSASignatureValidator | None = None) -> list[RecordValidatorBase]:
+    """The record validators of every DHT the project opens: signatures (``validator``: the node's own key, or a
+    throwaway one for a peer that only reads or stores for others) and sizes."""
+    return [validator if validator is not None else RSASignatureValidator(), RecordSizeValidator()]
+
+
+class ConfigConflict(ValueError):
+    """The copies of the swarm config in the DHT disagree and nothing anchors one of them."""
+
+    def __init__(self, run_id: str, hashes: list[str]):
+        self.run_id, self.hashes = run_id, hashes
+        shown = ", ".join(hashes[:4]) + (f" and {len(hashes) - 4} more" if len(hashes) > 4 else "")
+        super().__init__(
+            f"swarm '{run_id}' has {len(hashes)} different configs published ({shown}); pass --config-hash "
+            f"with the hash the swarm's founder printed (peers can publish any number of copies, so their count "
+            f"decides nothing)"
+        )
 
 
 @dataclass
@@ -105,6 +173,14 @@ def config_key(run_id: str) -> str:
 def config_digest(config_json: str) -> str:
     """The config hash stored next to a config: sha256 hex digest of its JSON text."""
     return hashlib.sha256(config_json.encode()).hexdigest()
+
+
+def check_config_hash(value: str) -> str:
+    """A --config-hash as the user gave it: the 64 hex digits of a config's sha256 (case ignored)."""
+    text = value.strip().lower()
+    if not _HASH_RE.fullmatch(text):
+        raise ValueError(f"--config-hash: expected the 64 hex digits the founder printed, got '{value[:80]}'")
+    return text
 
 
 def _check_text(value: str, name: str, max_chars: int, *, allow_empty: bool = True) -> None:
@@ -258,12 +334,17 @@ _owner_ids: dict[bytes, str] = {}
 _warned: set[tuple] = set()
 
 
-def _warn_bad_record(kind: str, run_id: str, subkey: Any, value: Any, reason: ValueError) -> None:
-    """Warn about a bad record once; the same bad record seen again by later fetches logs at debug level."""
+def _warn_bad_record(
+    kind: str, run_id: str, subkey: Any, value: Any, reason: ValueError, problems: list[str] | None
+) -> None:
+    """Warn about a bad record once; the same bad record seen again by later fetches logs at debug level.
+    ``problems`` (if given) gets the message every time."""
     text = repr(subkey)
     message = (
         f"Ignoring {kind} record {text if len(text) <= 64 else text[:61] + '...'} of run {run_id}: {reason}"
     )
+    if problems is not None:
+        problems.append(message)
     identity = (kind, run_id, repr(subkey), hashlib.sha256(repr(value).encode()).digest())
     if identity in _warned:
         logger.debug(message)
@@ -274,21 +355,23 @@ def _warn_bad_record(kind: str, run_id: str, subkey: Any, value: Any, reason: Va
     logger.warning(message)
 
 
-def _get_entries(dht: DHT, key: str) -> dict:
-    """Subkey -> ValueWithExpiration of ``key``, empty if absent or unreadable."""
+def _get_entries(dht: DHT, key: str, problems: list[str] | None = None) -> dict:
+    """Subkey -> ValueWithExpiration of ``key``, empty if absent or unreadable (a failed read is logged as a
+    warning and added to ``problems``)."""
     future = dht.get(key, latest=True, return_future=True)
+    message = None
     try:
         found = future.result(timeout=GET_TIMEOUT_S)
     except Exception as e:
         future.cancel()
-        logger.warning(f"Could not read {key} from the DHT: {e!r}")
-        return {}
-    if found is None:
-        return {}
-    if not isinstance(found.value, dict):
-        logger.warning(f"Ignoring {key}: expected subkeys, found a {type(found.value).__name__}")
-        return {}
-    return found.value
+        found, message = None, f"Could not read {key} from the DHT: {e!r}"
+    if found is not None and not isinstance(found.value, dict):
+        found, message = None, f"Ignoring {key}: expected subkeys, found a {type(found.value).__name__}"
+    if message is not None:
+        logger.warning(message)
+        if problems is not None:
+            problems.append(message)
+    return found.value if found is not None else {}
 
 
 def publish_node(
@@ -321,15 +404,18 @@ def withdraw_node(dht: DHT, run_id: str, peer_id: str, validator: RSASignatureVa
     )
 
 
-def fetch_nodes(dht: DHT, run_id: str, num_shards: int | None = None) -> dict[str, NodeInfo]:
+def fetch_nodes(
+    dht: DHT, run_id: str, num_shards: int | None = None, problems: list[str] | None = None
+) -> dict[str, NodeInfo]:
     """Live, valid node records of the swarm by peer id (leaving nodes and bad records left out).
 
     With ``num_shards``, records naming a shard outside the swarm are bad records. If several
-    records claim one peer id, the most recent heartbeat wins.
+    records claim one peer id, the most recent heartbeat wins. ``problems`` collects a line for
+    every bad record and failed read.
     """
     nodes: dict[str, NodeInfo] = {}
     now = get_dht_time()
-    for subkey, entry in _get_entries(dht, node_key(run_id)).items():
+    for subkey, entry in _get_entries(dht, node_key(run_id), problems).items():
         try:
             prefix = _owner_prefix(subkey)
             record = _parse(NodeRecord, entry.value)
@@ -341,7 +427,7 @@ def fetch_nodes(dht: DHT, run_id: str, num_shards: int | None = None) -> dict[st
                     f"peer_id {record.peer_id} is not the peer id of the key that signed the record"
                 )
         except ValueError as e:
-            _warn_bad_record("node", run_id, subkey, entry.value, e)
+            _warn_bad_record("node", run_id, subkey, entry.value, e, problems)
             continue
         if entry.expiration_time < now or record.state == NodeRecord.LEAVING:
             continue
@@ -385,10 +471,11 @@ def publish_config(
     )
 
 
-def fetch_config(dht: DHT, run_id: str) -> ConfigInfo | None:
-    """The swarm config: the hash published under the most subkeys wins (ties: earliest created_at)."""
-    by_hash: dict[str, list[ConfigInfo]] = defaultdict(list)
-    for subkey, entry in _get_entries(dht, config_key(run_id)).items():
+def fetch_configs(dht: DHT, run_id: str, problems: list[str] | None = None) -> dict[str, ConfigInfo]:
+    """Every valid config published for the run, by its hash (the sha256 of its JSON, recomputed here), each
+    with its earliest ``created_at``; ``problems`` collects a line for every bad record and failed read."""
+    found: dict[str, ConfigInfo] = {}
+    for subkey, entry in _get_entries(dht, config_key(run_id), problems).items():
         try:
             prefix = _owner_prefix(subkey)
             if prefix:
@@ -398,27 +485,30 @@ def fetch_config(dht: DHT, run_id: str) -> ConfigInfo | None:
             if record.run_id != run_id:
                 raise ValueError(f"run_id {record.run_id!r} differs from the key's run id")
         except ValueError as e:
-            _warn_bad_record("config", run_id, subkey, entry.value, e)
+            _warn_bad_record("config", run_id, subkey, entry.value, e, problems)
             continue
-        by_hash[record.config_hash].append(
-            ConfigInfo(
+        digest = config_digest(record.config_json)  # equal to record.config_hash (checked above)
+        known = found.get(digest)
+        if known is None or record.created_at < known.created_at:
+            found[digest] = ConfigInfo(
                 run_id=record.run_id,
-                config_hash=record.config_hash,
+                config_hash=digest,
                 config_json=record.config_json,
                 software_version=record.software_version,
                 created_at=record.created_at,
                 expires_at=entry.expiration_time,
             )
-        )
-    if not by_hash:
-        return None
-    earliest = {
-        config_hash: min(infos, key=lambda info: info.created_at) for config_hash, infos in by_hash.items()
-    }
-    winner = min(by_hash, key=lambda h: (-len(by_hash[h]), earliest[h].created_at, h))
-    if len(by_hash) > 1:
-        logger.warning(
-            f"Run {run_id} has {len(by_hash)} different configs published; using {winner[:12]} "
-            f"(published by {len(by_hash[winner])} of {sum(map(len, by_hash.values()))} peers)"
-        )
-    return earliest[winner]
+    return dict(sorted(found.items(), key=lambda item: (item[1].created_at, item[0])))
+
+
+def fetch_config(
+    dht: DHT, run_id: str, config_hash: str | None = None, problems: list[str] | None = None
+) -> ConfigInfo | None:
+    """The swarm config: with ``config_hash`` (the anchor), the config with that hash or None; without, the
+    config if every published copy agrees, None if there is none, and ``ConfigConflict`` if they disagree."""
+    configs = fetch_configs(dht, run_id, problems)
+    if config_hash is not None:
+        return configs.get(config_hash)
+    if len(configs) > 1:
+        raise ConfigConflict(run_id, list(configs))
+    return next(iter(configs.values()), None)

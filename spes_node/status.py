@@ -140,12 +140,19 @@ def _node_summary(node: NodeInfo, now: float) -> dict[str, Any]:
 
 
 def summarize(
-    run_id: str, config: ConfigInfo | None, nodes: Mapping[str, NodeInfo], now: float
+    run_id: str,
+    config: ConfigInfo | None,
+    nodes: Mapping[str, NodeInfo],
+    now: float,
+    warnings: Sequence[str] = (),
+    config_hashes: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """The swarm as `status --json` prints it: DHT records (`fetch_config`, `fetch_nodes`) at DHT time `now`.
 
-    Without a readable config, the shard count is guessed from the highest shard id held and the
-    experts of each shard are left empty.
+    `config` is the config status trusts (the one anchored by --config-hash, or the only one published);
+    `config_hashes` every config hash seen in the DHT; `warnings` what went wrong while reading (bad records,
+    failed reads, conflicting configs). Without a readable config, the shard count is guessed from the highest
+    shard id held and the experts of each shard are left empty.
     """
     model, cfg = _model_summary(config.config_json) if config is not None else (None, None)
     if cfg is not None:
@@ -166,6 +173,7 @@ def summarize(
     return {
         "run_id": run_id,
         "config_hash": config.config_hash if config is not None else None,
+        "config_hashes": list(config_hashes) if config_hashes is not None else [],
         "software_version": config.software_version if config is not None else None,
         "model": model,
         "num_shards": num_shards,
@@ -179,6 +187,7 @@ def summarize(
         "shards": shards,
         "under_replicated": under_replicated(nodes, num_shards, target) if target is not None else [],
         "dht_time": now,
+        "warnings": list(dict.fromkeys(warnings)),
     }
 
 
@@ -206,6 +215,11 @@ def _experts(experts: Sequence[int]) -> str:
     return str(experts[0]) if len(experts) == 1 else f"{experts[0]}-{experts[-1]}"
 
 
+def _printable(text: str) -> str:
+    """A warning (it may quote what a peer wrote) without control characters that would drive the terminal."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
 def _table(header: Sequence[str], rows: list[Sequence[str]], right: set[int]) -> list[str]:
     widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
 
@@ -223,10 +237,16 @@ def render(summary: Mapping[str, Any]) -> str:
     config_hash = summary["config_hash"]
     model = summary["model"]
     head = f"swarm {summary['run_id']}"
-    head += f"  config {config_hash[:12]}" if config_hash else "  config unknown (no config record)"
+    if config_hash:
+        head += f"  config {config_hash[:12]}"
+    elif summary.get("config_hashes"):
+        head += f"  config untrusted ({len(summary['config_hashes'])} published, see warnings)"
+    else:
+        head += "  config unknown (no config record)"
     if summary["software_version"]:
         head += f"  v{summary['software_version']}"
     lines = [head]
+    lines += [f"WARNING: {_printable(warning)}" for warning in summary.get("warnings", [])]
     if model is not None:
         lines.append(
             f"model {model['name']}: {_count(model['params_total'])} params, {_count(model['params_active'])} "
@@ -341,14 +361,15 @@ def open_dht(peers: Sequence[str], timeout: float, swarm_key=None) -> hivemind.D
     """A client-mode DHT peer (no inbound port) that can read the swarm's signed records (with `swarm_key`, a
     `SwarmKey`, those of a private swarm)."""
     import hivemind
-    from hivemind.dht.crypto import RSASignatureValidator
+
+    from spes_node.records import record_validators
 
     try:
         return hivemind.DHT(
             initial_peers=list(peers),
             client_mode=True,
             start=True,
-            record_validators=[RSASignatureValidator()],
+            record_validators=record_validators(),
             authorizer=swarm_key.authorizer() if swarm_key else None,
             startup_timeout=timeout,
         )
@@ -369,25 +390,67 @@ def _num_shards(config) -> int | None:
         return None
 
 
-def fetch_summary(dht: hivemind.DHT, run_id: str) -> dict[str, Any]:
-    """Read the swarm's records once; raises SwarmNotFound if the run id has neither config nor nodes."""
+def _hashes(hashes: Sequence[str]) -> str:
+    return ", ".join(hashes[:4]) + (f" and {len(hashes) - 4} more" if len(hashes) > 4 else "")
+
+
+def _trusted_config(
+    run_id: str, configs: Mapping[str, ConfigInfo], config_hash: str | None, warnings: list[str]
+) -> ConfigInfo | None:
+    """The config status trusts: the one anchored by `config_hash`, else the only one published; the rest is
+    reported in `warnings` (copies are never counted: anyone can publish many)."""
+    if config_hash is not None:
+        others = [h for h in configs if h != config_hash]
+        if config_hash not in configs:
+            warnings.append(
+                f"no config with hash {config_hash} is published in swarm '{run_id}'"
+                + (f" (published: {_hashes(others)})" if others else "")
+            )
+        elif others:
+            warnings.append(
+                f"{len(others)} other config(s) published in swarm '{run_id}' and ignored: {_hashes(others)}"
+            )
+        return configs.get(config_hash)
+    if len(configs) > 1:
+        warnings.append(
+            f"swarm '{run_id}' has {len(configs)} conflicting configs published ({_hashes(list(configs))}); "
+            f"none is trusted: pass --config-hash with the hash the founder printed"
+        )
+        return None
+    return next(iter(configs.values()), None)
+
+
+def fetch_summary(dht: hivemind.DHT, run_id: str, config_hash: str | None = None) -> dict[str, Any]:
+    """Read the swarm's records once; raises SwarmNotFound if the run id has neither config nor nodes.
+
+    The summary's `warnings` say what could not be read (bad records, failed reads) and which configs conflict.
+    """
     from hivemind.utils import get_dht_time
 
     from spes_node import records
 
-    config = records.fetch_config(dht, run_id)
-    nodes = records.fetch_nodes(dht, run_id, _num_shards(config))
-    if config is None and not nodes:
-        raise SwarmNotFound(f"no swarm '{run_id}' found at the given peers (no config or node records)")
-    return summarize(run_id, config, nodes, get_dht_time())
+    warnings: list[str] = []
+    configs = records.fetch_configs(dht, run_id, warnings)
+    config = _trusted_config(run_id, configs, config_hash, warnings)
+    nodes = records.fetch_nodes(dht, run_id, _num_shards(config), warnings)
+    if not configs and not nodes:
+        reason = f": {warnings[0]}" if warnings else " (no config or node records)"
+        raise SwarmNotFound(f"no swarm '{run_id}' found at the given peers{reason}")
+    if not nodes:
+        warnings.append(
+            f"no live node record of swarm '{run_id}' could be read: its nodes left, or their records are unreadable"
+        )
+    return summarize(run_id, config, nodes, get_dht_time(), warnings, list(configs))
 
 
-def find_swarm(dht: hivemind.DHT, run_id: str, timeout: float) -> dict[str, Any]:
+def find_swarm(
+    dht: hivemind.DHT, run_id: str, timeout: float, config_hash: str | None = None
+) -> dict[str, Any]:
     """`fetch_summary`, retried until the run's records appear or `timeout` seconds have passed."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return fetch_summary(dht, run_id)
+            return fetch_summary(dht, run_id, config_hash)
         except SwarmNotFound as e:
             if time.monotonic() + POLL_S > deadline:
                 raise SwarmNotFound(f"{e} after {timeout:.0f}s{other_swarms_hint(dht, run_id)}") from None
@@ -415,6 +478,7 @@ def run_status(
     timeout: float,
     interval: float,
     swarm_key=None,
+    config_hash: str | None = None,
 ) -> None:
     if timeout <= 0:
         raise ValueError("--timeout: must be positive")
@@ -430,11 +494,11 @@ def run_status(
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
     dht = open_dht(peers, timeout, swarm_key)
     try:
-        summary = find_swarm(dht, run_id, max(POLL_S, timeout - (time.monotonic() - started)))
+        summary = find_swarm(dht, run_id, max(POLL_S, timeout - (time.monotonic() - started)), config_hash)
         _show(summary, as_json, watch, plot_path)
         while watch and not stop.wait(interval):
             try:
-                summary = fetch_summary(dht, run_id)
+                summary = fetch_summary(dht, run_id, config_hash)
             except SwarmNotFound as e:
                 click.echo(f"{time.strftime('%H:%M:%S')} {e}", err=True)
                 continue
@@ -481,6 +545,12 @@ def run_status(
     help="Seconds between refreshes with --watch.",
 )
 @click.option(
+    "--config-hash",
+    envvar="SPES_CONFIG_HASH",
+    show_envvar=True,
+    help="The swarm config's hash (the founder prints it): trust only that config.",
+)
+@click.option(
     "--swarm-key",
     envvar="SPES_SWARM_KEY",
     show_envvar=True,
@@ -493,7 +563,9 @@ def run_status(
     show_envvar=True,
     help="File holding the private swarm's key.",
 )
-def status(peers, run_id, as_json, watch, plot_path, timeout, interval, swarm_key, swarm_key_file) -> None:
+def status(
+    peers, run_id, as_json, watch, plot_path, timeout, interval, config_hash, swarm_key, swarm_key_file
+) -> None:
     """Show a swarm: its nodes, their progress, and which shards have too few replicas."""
     # cli.py imports this module to register the command, so its helpers are imported when the command runs
     from spes_node.cli import UserError
@@ -501,9 +573,11 @@ def status(peers, run_id, as_json, watch, plot_path, timeout, interval, swarm_ke
 
     setup_logging("WARNING")
     try:
+        from spes_node.records import check_config_hash
         from spes_node.swarm_key import load_swarm_key
 
         key = load_swarm_key(swarm_key, swarm_key_file)
-        run_status(peers, run_id, as_json, watch, plot_path, timeout, interval, key)
+        anchor = check_config_hash(config_hash) if config_hash else None
+        run_status(peers, run_id, as_json, watch, plot_path, timeout, interval, key, anchor)
     except ValueError as e:
         raise UserError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None

@@ -9,6 +9,8 @@ from pathlib import Path
 import hivemind
 import pytest
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
@@ -16,14 +18,19 @@ from spes_node.identity import load_or_create_identity, peer_id_of, peer_id_of_p
 from spes_node.proto import NodeRecord, SwarmConfigRecord
 from spes_node.records import (
     MAX_VALUE_BYTES,
+    ConfigConflict,
     NodeInfo,
+    RecordSizeValidator,
+    check_config_hash,
     config_digest,
     config_key,
     fetch_config,
+    fetch_configs,
     fetch_nodes,
     node_key,
     publish_config,
     publish_node,
+    record_validators,
     withdraw_node,
 )
 
@@ -35,7 +42,9 @@ CONFIG_Y = '{"model": "tiny", "sync_steps": 20}'
 class Peer:
     """A DHT peer whose libp2p identity is its record-signing key, as a node's is (`identity.py`)."""
 
-    def __init__(self, initial_peers=()):
+    def __init__(self, initial_peers=(), validators=None):
+        """`validators`: what the peer checks records with (default: signatures only, as a stranger's or an older
+        version's peer does; `record_validators` is what the project's own DHTs use)."""
         identity = Path(tempfile.mkdtemp(prefix="spes-peer-")) / "identity.key"
         self.validator = RSASignatureValidator(load_or_create_identity(identity))
         self.dht = hivemind.DHT(
@@ -43,7 +52,7 @@ class Peer:
             initial_peers=list(initial_peers),
             identity_path=str(identity),
             start=True,
-            record_validators=[self.validator],
+            record_validators=(validators or (lambda v: [v]))(self.validator),
         )
         self.peer_id = self.dht.peer_id.to_base58()
 
@@ -182,11 +191,13 @@ def test_bad_records_are_skipped_with_one_warning_each(peers, run_id, caplog):
     assert b.dht.run_coroutine(oversized)
 
     caplog.clear()
+    problems: list[str] = []
     with caplog.at_level(logging.WARNING, logger="spes_node.records"):
-        nodes = fetch_nodes(a.dht, run_id, num_shards=4)
+        nodes = fetch_nodes(a.dht, run_id, num_shards=4, problems=problems)
     assert list(nodes) == [a.peer_id]
     warnings = [r for r in caplog.records if r.name == "spes_node.records" and r.levelno == logging.WARNING]
     assert len(warnings) == len(bad_values) + 1
+    assert sorted(problems) == sorted(w.getMessage() for w in warnings)
     for needle in (
         "not a NodeRecord",
         "more than",
@@ -200,9 +211,11 @@ def test_bad_records_are_skipped_with_one_warning_each(peers, run_id, caplog):
         assert any(needle in w.getMessage() for w in warnings), needle
 
     caplog.clear()
+    problems.clear()
     with caplog.at_level(logging.WARNING, logger="spes_node.records"):
-        assert list(fetch_nodes(a.dht, run_id, num_shards=4)) == [a.peer_id]
-    assert not caplog.records, "a bad record is reported once, not on every fetch"
+        assert list(fetch_nodes(a.dht, run_id, num_shards=4, problems=problems)) == [a.peer_id]
+    assert not caplog.records, "a bad record is logged once, not on every fetch"
+    assert len(problems) == len(bad_values) + 1, "but every fetch reports it to its caller"
 
     later = now + EXPIRATION_S + 1
     assert b.dht.store(node_key(run_id), good_b.SerializeToString(), later, subkey=b.peer_id.encode() + owned)
@@ -224,21 +237,99 @@ def test_withdraw_removes_node_now(peers, run_id):
 
 
 @pytest.mark.swarm
-def test_config_majority_then_earliest(peers, run_id, caplog):
+def test_config_is_anchored_and_copies_are_never_counted(peers, run_id):
     a, b, c = peers
-    assert fetch_config(a.dht, run_id) is None
+    assert fetch_config(a.dht, run_id) is None and fetch_configs(a.dht, run_id) == {}
     hash_x, hash_y = config_digest(CONFIG_X), config_digest(CONFIG_Y)
 
     assert publish_config(a.dht, run_id, CONFIG_X, hash_x, a.validator, EXPIRATION_S, created_at=200.0)
-    assert publish_config(b.dht, run_id, CONFIG_Y, hash_y, b.validator, EXPIRATION_S, created_at=100.0)
-    tie = fetch_config(c.dht, run_id)
-    assert (tie.config_hash, tie.config_json, tie.created_at) == (hash_y, CONFIG_Y, 100.0)
+    only = fetch_config(c.dht, run_id)
+    assert (only.run_id, only.config_hash, only.config_json, only.created_at) == (
+        run_id,
+        hash_x,
+        CONFIG_X,
+        200.0,
+    )
+    assert only.expires_at > get_dht_time()
 
+    assert publish_config(b.dht, run_id, CONFIG_Y, hash_y, b.validator, EXPIRATION_S, created_at=100.0)
     assert publish_config(c.dht, run_id, CONFIG_X, hash_x, c.validator, EXPIRATION_S, created_at=300.0)
-    majority = fetch_config(a.dht, run_id)
-    assert (majority.run_id, majority.config_hash, majority.config_json) == (run_id, hash_x, CONFIG_X)
-    assert majority.created_at == 200.0
-    assert majority.expires_at > get_dht_time()
+    with pytest.raises(ConfigConflict) as conflict:
+        fetch_config(a.dht, run_id)  # two copies of X against one of Y decide nothing
+    assert sorted(conflict.value.hashes) == sorted([hash_x, hash_y])
+    assert (
+        hash_x in str(conflict.value)
+        and hash_y in str(conflict.value)
+        and "--config-hash" in str(conflict.value)
+    )
+
+    anchored = fetch_config(b.dht, run_id, config_hash=hash_x)
+    assert (anchored.config_json, anchored.created_at) == (CONFIG_X, 200.0), "the earliest copy of the anchor"
+    assert fetch_config(b.dht, run_id, config_hash=hash_y).config_json == CONFIG_Y
+    assert fetch_config(b.dht, run_id, config_hash="0" * 64) is None
+    assert {h: info.config_json for h, info in fetch_configs(a.dht, run_id).items()} == {
+        hash_x: CONFIG_X,
+        hash_y: CONFIG_Y,
+    }
+
+
+def test_config_hash_flag_values():
+    digest = config_digest(CONFIG_X)
+    assert check_config_hash(digest) == digest
+    assert check_config_hash(f" {digest.upper()}\n") == digest
+    for bad in ("", digest[:12], digest + "0", "g" * 64):
+        with pytest.raises(ValueError, match="--config-hash"):
+            check_config_hash(bad)
+
+
+def test_size_validator_refuses_oversized_values_and_subkeys_before_the_signature_check():
+    signer = RSASignatureValidator()
+    composite = CompositeValidator(record_validators(signer))
+    assert [type(v) for v in composite._validators] == [RSASignatureValidator, RecordSizeValidator]
+    subkey = b"QmPeer" + signer.local_public_key
+
+    def signed(value: bytes, subkey: bytes = subkey) -> DHTRecord:
+        record = DHTRecord(b"key", subkey, value, 1e10)
+        return DHTRecord(b"key", subkey, composite.sign_value(record), 1e10)
+
+    assert composite.validate(signed(b"x" * MAX_VALUE_BYTES))
+    assert composite.strip_value(signed(b"payload")) == b"payload"
+    assert not composite.validate(signed(b"x" * (MAX_VALUE_BYTES + 4096)))
+    assert not composite.validate(signed(b"x", subkey=b"Q" * 5000 + signer.local_public_key))
+    # the size check runs first: a huge value is refused even though its signature was never made
+    assert not RecordSizeValidator().validate(DHTRecord(b"key", subkey, b"\x00" * (3 << 20), 1e10))
+
+
+@pytest.mark.swarm
+def test_honest_peers_refuse_oversized_values_at_store(peers, run_id):
+    stranger = peers[2]  # signatures only: it stores whatever it signs
+    honest = Peer([peers[0].dht.get_visible_maddrs()[0]], validators=record_validators)
+    try:
+        assert publish_node(honest.dht, run_id, _info(honest.peer_id), honest.validator, EXPIRATION_S)
+        owned = stranger.validator.local_public_key
+        for size in (MAX_VALUE_BYTES + 4096, 1 << 20):
+            store = partial(
+                _store_zeros,
+                key=node_key(run_id),
+                subkey=f"QmOversized{size}".encode() + owned,
+                size=size,
+                expiration_time=get_dht_time() + EXPIRATION_S,
+            )
+            stranger.dht.run_coroutine(store)
+            held = honest.dht.run_coroutine(partial(_held_value_sizes, key=node_key(run_id)))
+            assert held and max(held) < MAX_VALUE_BYTES, held
+        problems: list[str] = []
+        assert list(fetch_nodes(honest.dht, run_id, problems=problems)) == [honest.peer_id]
+        assert not problems, (
+            "the honest reader refuses the stranger's answer as a whole; nothing to warn about"
+        )
+    finally:
+        honest.dht.shutdown()
+
+
+async def _held_value_sizes(_dht, node, *, key: str) -> list[int]:
+    item = node.protocol.storage.get(DHTID.generate(source=key))
+    return [] if item is None else [len(entry.value) for _subkey, entry in item.value.items()]
 
 
 @pytest.mark.swarm

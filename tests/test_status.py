@@ -17,7 +17,7 @@ from swarm_utils import NODE_ENV, Swarm, free_port, spes_cli
 from spes_node.cli import main
 from spes_node.config import load_preset
 from spes_node.records import ConfigInfo, NodeInfo, config_digest
-from spes_node.status import plot, render, summarize
+from spes_node.status import _trusted_config, plot, render, summarize
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 NODE_FIELDS = {"peer_id", "shards", "round", "step", "tokens", "tokens_per_s", "loss", "state", "last_seen_s"}
@@ -111,6 +111,42 @@ def test_summary_of_empty_swarm():
     assert summary["nodes"] == [] and summary["mean_loss"] is None
     assert summary["under_replicated"] == [0, 1, 2, 3]
     assert "(no live nodes)" in render(summary)
+
+
+def test_trusted_config_is_the_anchored_one_and_conflicts_are_warned():
+    honest, other = _config(), _config(sync_steps=7)
+    configs = {other.config_hash: other, honest.config_hash: honest}
+    warnings: list[str] = []
+    assert _trusted_config("r", configs, honest.config_hash, warnings) is honest
+    assert len(warnings) == 1 and other.config_hash in warnings[0] and "ignored" in warnings[0]
+
+    warnings.clear()
+    assert _trusted_config("r", configs, None, warnings) is None, "two copies against one decide nothing"
+    assert honest.config_hash in warnings[0] and other.config_hash in warnings[0]
+    assert "--config-hash" in warnings[0]
+
+    warnings.clear()
+    assert _trusted_config("r", {honest.config_hash: honest}, None, warnings) is honest and not warnings
+    assert _trusted_config("r", {other.config_hash: other}, honest.config_hash, warnings) is None
+    assert f"no config with hash {honest.config_hash}" in warnings[0] and other.config_hash in warnings[0]
+
+
+def test_warnings_are_in_the_json_and_the_table(swarm_records):
+    config, nodes = swarm_records
+    warnings = [
+        "Ignoring node record b'x' of run r: value has 9 bytes",
+        "evil \x1b[2J name",
+        "evil \x1b[2J name",
+    ]
+    summary = summarize("r", None, nodes, NOW, warnings, [config.config_hash, "f" * 64])
+    json.dumps(summary, allow_nan=False)
+    assert summary["warnings"] == warnings[:2], "the same warning once"
+    assert summary["config_hash"] is None and summary["config_hashes"] == [config.config_hash, "f" * 64]
+    text = render(summary)
+    assert "config untrusted (2 published, see warnings)" in text
+    assert "WARNING: Ignoring node record" in text and "WARNING: evil ?[2J name" in text
+    assert "\x1b" not in text
+    assert summarize("r", config, nodes, NOW)["warnings"] == []
 
 
 def test_render_shows_nodes_and_marks_under_replicated_shards(swarm_records):
