@@ -69,9 +69,10 @@ def test_four_nodes_two_replicas_agree_after_rounds(swarm_factory):
         assert last["shared_group"] == 4 and last["shard_group"] == 2, (name, s["rounds"])
 
     checkpoints = {name: swarm.checkpoint(name) for name in names}
-    # replicas that started together first took the same data part; after a round they read different ones
+    # nodes that started together first took the same data part (0 of 1) and settled before the first step:
+    # indices 0-3, whatever the shard (num_parts grows back as the others leave at the end)
     parts = {name: tuple(c.meta["data_part"]) for name, c in checkpoints.items()}
-    assert len(set(parts.values())) == 4, parts
+    assert sorted(part for part, _ in parts.values()) == [0, 1, 2, 3], parts
     states = {name: c.tensors for name, c in checkpoints.items()}
     reference = _shared_tensors(states[names[0]])
     for name in names[1:]:
