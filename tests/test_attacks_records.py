@@ -272,3 +272,69 @@ def test_config_hash_reads_the_environment():
         env=dict(os.environ, **NODE_ENV, SPES_CONFIG_HASH="f" * 64),
     )
     assert "is not the hash of the given --preset" in _one_line_error(result)
+
+
+# ---------------------------------------------------------------------------------------------- the anchor, unit
+
+
+def _published(*cfgs) -> dict[str, records.ConfigInfo]:
+    return {
+        cfg.hash(): records.ConfigInfo("r", cfg.hash(), cfg.to_json(), "0.1.0", 100.0 + i, 1e10)
+        for i, cfg in enumerate(cfgs)
+    }
+
+
+@pytest.fixture
+def agree(monkeypatch, tmp_path):
+    """`Node._agree_on_config` against configs published in a fake DHT; returns (config, log) or raises."""
+    from spes_node.node import Node, NodeOptions
+
+    def run(published, cfg=None, peers=("/ip4/127.0.0.1/tcp/1",), **options):
+        monkeypatch.setattr(records, "fetch_configs", lambda dht, run_id, problems=None: dict(published))
+        monkeypatch.setattr(Node, "_publish_config", lambda self: None)
+        opts = NodeOptions(
+            peers=list(peers), run_id="r", checkpoint_dir=tmp_path, join_timeout=0.0, **options
+        )
+        node = Node(cfg, opts)
+        node.dht = None
+        return node._agree_on_config()
+
+    return run
+
+
+def test_the_anchor_picks_the_config_and_copies_are_not_counted(agree, caplog):
+    from spes_node.config import load_preset
+    from spes_node.node import NodeError
+
+    honest, evil = load_preset("tiny"), load_preset("tiny").replace(swarm={"sync_steps": 7})
+    both = _published(evil, honest)
+    assert agree(both, config_hash=honest.hash()).hash() == honest.hash()
+    assert agree(both, cfg=honest).hash() == honest.hash()
+    with pytest.raises(NodeError, match="different configs published") as refused:
+        agree(both)
+    assert honest.hash() in str(refused.value) and evil.hash() in str(refused.value)
+    with pytest.raises(NodeError, match="config mismatch"):
+        agree(_published(evil), config_hash=honest.hash())
+    with pytest.raises(NodeError, match="config mismatch"):
+        agree(_published(evil), cfg=honest)
+    with caplog.at_level("WARNING", logger="spes_node.node"):
+        assert agree(_published(honest)).hash() == honest.hash()
+    assert "taken unanchored" in caplog.text and f"--config-hash {honest.hash()}" in caplog.text
+    # the founder (no peers, nothing published) founds with its own config
+    assert agree({}, cfg=honest, peers=()).hash() == honest.hash()
+
+
+def test_a_checkpoint_anchors_the_config_of_a_restarted_node(agree, tmp_path):
+    import torch
+
+    from spes_node.checkpoint import CheckpointManager
+    from spes_node.config import load_preset
+    from spes_node.node import NodeError
+
+    honest, evil = load_preset("tiny"), load_preset("tiny").replace(swarm={"sync_steps": 7})
+    CheckpointManager(tmp_path).save(5, {"w": torch.zeros(2)}, {"config_hash": honest.hash(), "round": 1})
+    assert agree(_published(evil, honest)).hash() == honest.hash()
+    with pytest.raises(NodeError, match="config mismatch"):
+        agree(_published(evil))
+    with pytest.raises(NodeError, match="is not the config of the checkpoint"):
+        agree(_published(evil, honest), config_hash=evil.hash())
