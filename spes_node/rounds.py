@@ -175,8 +175,10 @@ class SpesRound:
             self.loop.run(self.server.withdraw(f"{'copy' if own else 'shard'}:{shard}"))
             if own and premerge:
                 parts[f"premerge:{shard}"] = tensors
-            else:  # a premerge snapshot lives for its round only
-                self.loop.run(self.server.withdraw(f"premerge:{shard}"))
+            else:  # a premerge snapshot lives for its round only (slower replicas still fetch it after our merge)
+                stale = self.server.snapshots.get(f"premerge:{shard}")
+                if stale is not None and (not own or stale.round < round_):
+                    self.loop.run(self.server.withdraw(f"premerge:{shard}"))
         for part, tensors in parts.items():
             self.loop.run(self.server.publish(part, Snapshot(round_, tensors)))
 
