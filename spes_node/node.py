@@ -496,7 +496,9 @@ class Node:
         helpers = [self.dht, *(self.sync.helper_processes() if self.sync is not None else [])]
         for helper in helpers:
             if helper is not None and helper.is_alive():
-                logger.warning(f"killing helper process {helper.pid} ({type(helper).__name__}), which did not stop")
+                logger.warning(
+                    f"killing helper process {helper.pid} ({type(helper).__name__}), which did not stop"
+                )
                 kill_tree(helper.pid)
 
     # ------------------------------------------------------------------ training
