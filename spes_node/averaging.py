@@ -80,6 +80,9 @@ class GroupAverager:
             allow_state_sharing=False,
             swarm_key=swarm_key,
             policy=RobustPolicy(max_weight=max_weight),
+            # a member silent this long mid all-reduce (a stalled or frozen machine) is dropped and its part kept
+            # local, instead of holding the whole group until the averaging timeout
+            next_chunk_timeout=max(2 * matchmaking_time, 5.0),
             shutdown_timeout=2.0,
             start=True,
         )

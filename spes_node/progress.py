@@ -103,19 +103,22 @@ def wait_for_peers(
     tokens_per_step: int,
     now: float,
     cap: float,
+    default_tokens_per_s: float = 0.0,
 ) -> float:
     """Seconds to keep looking for a group beyond the matchmaking window, at most `cap`.
 
     A peer of the same round that is still training is expected at the sync when its remaining steps are done
     (its step and tokens/s as its last record says, minus the record's age). Waiting for it keeps nodes in step:
     one that fell behind by a few seconds (a pause, a slow step) is met at this round, and both start the next
-    one together, instead of the two missing each other round after round.
+    one together, instead of the two missing each other round after round. A peer that reports no throughput yet
+    (it has just joined) is assumed to train at `default_tokens_per_s` (ours).
     """
     longest = 0.0
     for node in others.values():
-        if node.round != round_ or node.state != "training" or not node.tokens_per_s > 0:
+        speed = node.tokens_per_s if node.tokens_per_s > 0 else default_tokens_per_s
+        if node.round != round_ or node.state != "training" or not speed > 0:
             continue
         steps_left = min(max((round_ + 1) * sync_steps - node.step, 0), sync_steps)
-        eta = steps_left * tokens_per_step / node.tokens_per_s - max(0.0, now - node.updated_at)
+        eta = steps_left * tokens_per_step / speed - max(0.0, now - node.updated_at)
         longest = max(longest, eta)
     return min(max(longest, 0.0), max(cap, 0.0))

@@ -208,7 +208,10 @@ class SpesRound:
             sync_steps=self.cfg.swarm.sync_steps,
             tokens_per_step=self.tokens_per_step(),
             now=get_dht_time(),
-            cap=0.5 * self._round_seconds if self._round_seconds else self.cfg.swarm.matchmaking_time,
+            # at most one round: the published method waits for everyone (a barrier); we wait for whoever is
+            # expected within a round, and a node slower than that meets the others at a later round
+            cap=self._round_seconds if self._round_seconds else self.cfg.swarm.matchmaking_time,
+            default_tokens_per_s=node.status.tokens_per_s,
         )
         logger.info(
             f"round {node.status.round + 1}: looking for groups ({len(others)} live peers"

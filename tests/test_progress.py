@@ -89,3 +89,18 @@ def test_wait_for_a_peer_that_is_about_to_finish_its_round():
         assert (
             wait_for_peers({"p": other}, round_=3, sync_steps=10, tokens_per_step=100, now=0.0, cap=30.0) == 0
         )
+
+
+def test_a_peer_without_a_throughput_figure_is_assumed_as_fast_as_we_are():
+    # a node that just joined reports 0 tokens/s; it is 4 steps from the sync, and we train 200 tokens/s
+    joiner = Rec(round=3, step=36, tokens_per_s=0.0, updated_at=100.0)
+    wait = wait_for_peers(
+        {"j": joiner},
+        round_=3,
+        sync_steps=10,
+        tokens_per_step=100,
+        now=100.0,
+        cap=30.0,
+        default_tokens_per_s=200.0,
+    )
+    assert abs(wait - 2.0) < 1e-9

@@ -295,9 +295,11 @@ def test_an_upcycled_model_founds_a_two_node_swarm_that_trains(tmp_path):
     config = tmp_path / "swarm-config.json"
     config.write_text(cfg.to_json())
     try:
-        swarm.start("founder", "--init-from", str(tmp_path / "moe"), config=config)
+        # the founder waits for the joiner: alone, it would train on at full speed for as long as the joiner takes
+        # to start, and the joiner would join a model whose loss has little left to fall in three rounds
+        swarm.start("founder", "--init-from", str(tmp_path / "moe"), "--wait-peers", "2", config=config)
         swarm.wait_for(lambda: any(n.state == "training" for n in swarm.nodes().values()), 120, "the founder")
-        swarm.start("joiner", "--max-rounds", "3", config=config)
+        swarm.start("joiner", "--max-rounds", "3", "--wait-peers", "2", config=config)
         assert swarm.wait_exit("joiner", 240) == 0, swarm.log("joiner")[-3000:]
         swarm.procs["founder"].send_signal(signal.SIGTERM)
         assert swarm.wait_exit("founder", 60) == 0, swarm.log("founder")[-3000:]
