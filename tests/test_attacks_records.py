@@ -142,19 +142,29 @@ def test_oversized_values_are_refused_at_store_and_hide_no_node(swarm):
             "a and b training",
         )
 
-        # again, now that the nodes store records too: every honest peer refuses
-        for size in (1 * MIB, 3 * MIB):
-            assert not vandal.store_zeros(key, f"{vandal.peer_id}-again-{size}".encode(), size)
+        # again, now that the nodes store records too: every honest peer refuses (what the store returns is not
+        # checked: the vandal's own copy counts, and a peer too loaded to answer a 3 MiB request in time is no refusal)
+        for i, size in enumerate(
+            (1 * MIB, 3 * MIB, 3 * MIB)
+        ):  # any two that landed would pass the 4 MiB limit
+            vandal.store_zeros(key, f"{vandal.peer_id}-again-{i}".encode(), size)
         assert _largest_stored(swarm.bootstrap, key) <= records.MAX_VALUE_BYTES
         # the vandal's own storage holds them and answers reads with them: no reader is blinded by that
         assert _largest_stored(vandal.dht, key) >= 3 * MIB
-        listed = records.fetch_nodes(swarm.bootstrap, swarm.run_id, swarm.cfg.swarm.num_shards)
-        assert sorted(n.public_name for n in listed.values()) == ["a", "b"]
+        swarm.wait_for(
+            lambda: sorted(n.public_name for n in swarm.nodes().values()) == ["a", "b"],
+            60,
+            "the bootstrap to read a's and b's records",
+        )
 
-        status = _status(swarm)
-        assert status.returncode == 0, status.stderr[-3000:]
-        summary = json.loads(status.stdout)
-        assert sorted(n["public_name"] for n in summary["nodes"]) == ["a", "b"]
+        def status_lists_both():
+            # polled: on a loaded machine a heartbeat can lapse between reads; a blinded reader never lists them
+            status = _status(swarm)
+            assert status.returncode == 0, status.stderr[-3000:]
+            summary = json.loads(status.stdout)
+            return summary if sorted(n["public_name"] for n in summary["nodes"]) == ["a", "b"] else None
+
+        summary = swarm.wait_for(status_lists_both, 120, "status --json to list a and b")
         assert summary["config_hash"] == swarm.cfg.hash()
         assert not [w for w in summary["warnings"] if "Could not read" in w or "no live node" in w], summary
 
