@@ -19,9 +19,9 @@ from pathlib import Path
 from benchmarks.common import LoadMonitor, emit, table, write_result
 from benchmarks.netns import NetnsUnavailable, check_available
 from benchmarks.network_runs import NetworkRun, run_shaped_swarm
-from spes_node.averaging import WIRE_BYTES
 from spes_node.config import SpesConfig, load_preset
-from spes_node.model import analytic_param_count
+from spes_node.model.moe import analytic_param_count
+from spes_node.swarm.averaging import WIRE_BYTES
 
 logger = logging.getLogger(__name__)
 

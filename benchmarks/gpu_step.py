@@ -34,9 +34,9 @@ class RandomBatches:
 
 
 def measure(cfg, num_shards: int, owned: list[int], device: torch.device, warmup: int, steps: int) -> dict:
-    from spes_node.model import MoEForCausalLM
-    from spes_node.sharding import apply_ownership
-    from spes_node.trainer import Trainer
+    from spes_node.daemon.trainer import Trainer
+    from spes_node.model.moe import MoEForCausalLM
+    from spes_node.model.ownership import apply_ownership
 
     gc.collect()
     if device.type == "cuda":
@@ -80,7 +80,7 @@ def measure(cfg, num_shards: int, owned: list[int], device: torch.device, warmup
 
 def run(preset: str, device_name: str, shard_counts: list[int], warmup: int, steps: int) -> dict:
     from spes_node.config import load_preset
-    from spes_node.trainer import resolve_device
+    from spes_node.devices import resolve_device
 
     device = resolve_device(device_name)
     cfg = load_preset(preset)

@@ -72,9 +72,9 @@ def probe(
     import torch
 
     from spes_node.config import load_preset
-    from spes_node.model import MoEForCausalLM
-    from spes_node.sharding import apply_ownership
-    from spes_node.trainer import Trainer
+    from spes_node.daemon.trainer import Trainer
+    from spes_node.model.moe import MoEForCausalLM
+    from spes_node.model.ownership import apply_ownership
 
     torch.set_num_threads(1)
     cfg = load_preset(preset).replace(
@@ -121,7 +121,7 @@ def probe(
 
 def analytic_bytes(cfg, num_shards: int, owned: int, frozen_dtype: str) -> int:
     """Weights + gradients + AdamW moments (fp32) of the trainable part, frozen experts at storage precision."""
-    from spes_node.model import analytic_param_count
+    from spes_node.model.moe import analytic_param_count
 
     counts = analytic_param_count(cfg.model)
     trainable = counts["shared"] + counts["experts"] * owned // num_shards

@@ -26,11 +26,11 @@ import sys
 import time
 from pathlib import Path
 
-from spes_node import node as node_module
 from spes_node.cli import main as cli_main
-from spes_node.node import Node
-from spes_node.rounds import SpesRound
-from spes_node.trainer import Trainer
+from spes_node.daemon import node as node_module
+from spes_node.daemon.node import Node
+from spes_node.daemon.round import SpesRound
+from spes_node.daemon.trainer import Trainer
 
 TIMELINE: dict = {
     "process_start": time.time(),

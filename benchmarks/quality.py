@@ -64,8 +64,8 @@ def run_config(settings: dict, name: str) -> SpesConfig:
 
 
 def validation_set(cfg: SpesConfig, batches: int) -> list[torch.Tensor]:
-    from spes_node.data import validation_batches
-    from spes_node.tokenizer import load_tokenizer
+    from spes_node.daemon.data import validation_batches
+    from spes_node.model.tokenizer import load_tokenizer
 
     return validation_batches(
         cfg.data.source,
@@ -92,9 +92,9 @@ def val_loss(model, batches: list[torch.Tensor]) -> float:
 
 def swarm_model(cfg: SpesConfig, nodes: list[NodeRun]):
     """The swarm's model from its nodes' checkpoints: shared mean over nodes, each shard mean over its holders."""
-    from spes_node.export import load_checkpoint_weights
-    from spes_node.model import MoEForCausalLM
-    from spes_node.sharding import load_dense_state_dict
+    from spes_node.daemon.export import load_checkpoint_weights
+    from spes_node.model.moe import MoEForCausalLM
+    from spes_node.model.ownership import load_dense_state_dict
 
     loaded = [load_checkpoint_weights(n.directory) for n in nodes]
     S = cfg.swarm.num_shards
@@ -130,11 +130,11 @@ class ConcatBatcher:
 
 
 def train_centralized(cfg: SpesConfig, settings: dict) -> tuple:
-    from spes_node.data import TokenBatcher
-    from spes_node.model import MoEForCausalLM
-    from spes_node.sharding import apply_ownership
-    from spes_node.tokenizer import load_tokenizer
-    from spes_node.trainer import Trainer
+    from spes_node.daemon.data import TokenBatcher
+    from spes_node.daemon.trainer import Trainer
+    from spes_node.model.moe import MoEForCausalLM
+    from spes_node.model.ownership import apply_ownership
+    from spes_node.model.tokenizer import load_tokenizer
 
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(cfg.data.tokenizer)

@@ -55,8 +55,8 @@ class RecordPeers:
         import hivemind
         from hivemind.dht.crypto import RSASignatureValidator
 
-        from spes_node import records
-        from spes_node.identity import load_or_create_identity
+        from spes_node.swarm import records
+        from spes_node.swarm.identity import load_or_create_identity
 
         while len(self.peers) < count:
             # a node's peer id derives from its record-signing key, and readers check that (records.py)
@@ -92,7 +92,7 @@ class RecordPeers:
 
 
 def measure_status(maddrs: list[str], run_id: str, repeats: int) -> dict:
-    from spes_node.status import fetch_summary, open_dht
+    from spes_node.daemon.status import fetch_summary, open_dht
 
     started = time.perf_counter()
     client = open_dht(maddrs, timeout=60)
@@ -162,8 +162,8 @@ def measure_join(maddr: str, config_path: Path, run_id: str, workdir: Path) -> d
 
 
 def run(workdir: Path, settings: dict | None = None) -> dict:
-    from spes_node.bootstrap import start_bootstrap
     from spes_node.config import load_preset
+    from spes_node.swarm.bootstrap import start_bootstrap
 
     settings = {**SETTINGS, **(settings or {})}
     workdir.mkdir(parents=True, exist_ok=True)

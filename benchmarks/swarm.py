@@ -72,7 +72,7 @@ class BenchSwarm:
         shards: list[int] | None = None,
     ) -> list[NodeRun]:
         """Start every node at once (`--wait-peers` all), wait for all to exit, collect their outputs."""
-        from spes_node.bootstrap import start_bootstrap
+        from spes_node.swarm.bootstrap import start_bootstrap
 
         bootstrap = start_bootstrap([f"/ip4/{self._host(None)}/tcp/0"])
         try:

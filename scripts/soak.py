@@ -22,10 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-from spes_node import records
-from spes_node.bootstrap import start_bootstrap
 from spes_node.config import load_preset
 from spes_node.procs import descendants
+from spes_node.swarm import records
+from spes_node.swarm.bootstrap import start_bootstrap
 
 RUN_ID = "soak"
 

@@ -3,3 +3,8 @@
 
 class SpesError(Exception):
     """Base of the errors that end a command with one clear line and a non-zero exit."""
+
+
+def error_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

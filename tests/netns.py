@@ -23,9 +23,9 @@ from pathlib import Path
 
 from swarm_utils import FAST, NODE_ENV, Swarm, die_with_parent
 
-from spes_node.bootstrap import start_bootstrap
 from spes_node.config import load_preset
-from spes_node.swarm_key import SwarmKey
+from spes_node.swarm.bootstrap import start_bootstrap
+from spes_node.swarm.swarm_key import SwarmKey
 
 TBF_BURST = "32kbit"
 TBF_LATENCY = "400ms"

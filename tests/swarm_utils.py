@@ -15,10 +15,10 @@ from typing import TypeVar
 
 import pytest
 
-from spes_node import records
-from spes_node.bootstrap import start_bootstrap
-from spes_node.checkpoint import CheckpointManager
 from spes_node.config import load_preset
+from spes_node.daemon.checkpoint import CheckpointManager
+from spes_node.swarm import records
+from spes_node.swarm.bootstrap import start_bootstrap
 
 FAST = {"heartbeat_s": 1.0, "sync_steps": 5, "matchmaking_time": 2.0}
 NODE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

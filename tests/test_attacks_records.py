@@ -21,8 +21,8 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from swarm_utils import NODE_ENV, Swarm, die_with_parent, spes_cli
 
-from spes_node import records
 from spes_node.proto import SwarmConfigRecord
+from spes_node.swarm import records
 
 MIB = 1024 * 1024
 HEARTBEAT = {"heartbeat_s": 2.0}
@@ -297,7 +297,7 @@ def _published(*cfgs) -> dict[str, records.ConfigInfo]:
 @pytest.fixture
 def agree(monkeypatch, tmp_path):
     """`Node._agree_on_config` against configs published in a fake DHT; returns (config, log) or raises."""
-    from spes_node.node import Node, NodeOptions
+    from spes_node.daemon.node import Node, NodeOptions
 
     def run(published, cfg=None, peers=("/ip4/127.0.0.1/tcp/1",), **options):
         monkeypatch.setattr(records, "fetch_configs", lambda dht, run_id, problems=None: dict(published))
@@ -314,7 +314,7 @@ def agree(monkeypatch, tmp_path):
 
 def test_the_anchor_picks_the_config_and_copies_are_not_counted(agree, caplog):
     from spes_node.config import load_preset
-    from spes_node.node import NodeError
+    from spes_node.daemon.node import NodeError
 
     honest, evil = load_preset("tiny"), load_preset("tiny").replace(swarm={"sync_steps": 7})
     both = _published(evil, honest)
@@ -327,7 +327,7 @@ def test_the_anchor_picks_the_config_and_copies_are_not_counted(agree, caplog):
         agree(_published(evil), config_hash=honest.hash())
     with pytest.raises(NodeError, match="config mismatch"):
         agree(_published(evil), cfg=honest)
-    with caplog.at_level("WARNING", logger="spes_node.node"):
+    with caplog.at_level("WARNING", logger="spes_node.daemon.node"):
         assert agree(_published(honest)).hash() == honest.hash()
     assert "taken unanchored" in caplog.text and f"--config-hash {honest.hash()}" in caplog.text
     # the founder (no peers, nothing published) founds with its own config
@@ -337,9 +337,9 @@ def test_the_anchor_picks_the_config_and_copies_are_not_counted(agree, caplog):
 def test_a_checkpoint_anchors_the_config_of_a_restarted_node(agree, tmp_path):
     import torch
 
-    from spes_node.checkpoint import CheckpointManager
     from spes_node.config import load_preset
-    from spes_node.node import NodeError
+    from spes_node.daemon.checkpoint import CheckpointManager
+    from spes_node.daemon.node import NodeError
 
     honest, evil = load_preset("tiny"), load_preset("tiny").replace(swarm={"sync_steps": 7})
     CheckpointManager(tmp_path).save(5, {"w": torch.zeros(2)}, {"config_hash": honest.hash(), "round": 1})

@@ -13,8 +13,8 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from swarm_utils import Swarm
 
-from spes_node import records
 from spes_node.proto import NodeRecord
+from spes_node.swarm import records
 
 pytestmark = pytest.mark.swarm
 

@@ -4,11 +4,11 @@ from types import SimpleNamespace
 
 import torch
 
-from spes_node.averaging import NesterovOuter, PlainAverage
 from spes_node.config import load_preset
-from spes_node.model import MoEForCausalLM
-from spes_node.rounds import SpesRound, apply_outer
-from spes_node.sharding import apply_ownership, load_shard_tensors, shard_tensors
+from spes_node.daemon.round import SpesRound, apply_outer
+from spes_node.model.moe import MoEForCausalLM
+from spes_node.model.ownership import apply_ownership, load_shard_tensors, shard_tensors
+from spes_node.swarm.averaging import NesterovOuter, PlainAverage
 
 
 def test_plain_average_replaces_weights():

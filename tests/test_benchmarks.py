@@ -18,7 +18,7 @@ from benchmarks.network_runs import round_windows
 from benchmarks.run_all import gather
 from benchmarks.swarm import NodeRun
 from spes_node.config import load_preset
-from spes_node.model import analytic_param_count
+from spes_node.model.moe import analytic_param_count
 
 REPO = Path(__file__).resolve().parent.parent
 

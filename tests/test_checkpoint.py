@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from spes_node.checkpoint import (
+from spes_node.daemon.checkpoint import (
     CheckpointError,
     CheckpointManager,
     flatten_state,
@@ -163,7 +163,7 @@ def test_prune_never_removes_the_checkpoint_just_written(tmp_path, caplog):
     for step in (10, 20):
         manager.save(step, sample_tensors(step), {})
 
-    with caplog.at_level(logging.WARNING, logger="spes_node.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="spes_node.daemon.checkpoint"):
         manager.save(3, sample_tensors(3), {})
 
     assert [p.name for p in manager.list()] == ["step-00000003", "step-00000020"]
@@ -218,7 +218,7 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path, caplog, damage, reason)
     manager = save_two(tmp_path)
     damage(tmp_path / "step-00000002")
 
-    with caplog.at_level(logging.WARNING, logger="spes_node.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="spes_node.daemon.checkpoint"):
         checkpoint = manager.latest()
 
     assert checkpoint.step == 1
@@ -275,7 +275,7 @@ def test_interrupted_replacement_is_recovered(tmp_path):
 
 CRASHING_WRITER = """
 import sys, torch
-from spes_node.checkpoint import CheckpointManager
+from spes_node.daemon.checkpoint import CheckpointManager
 manager = CheckpointManager(sys.argv[1])
 manager.save(1, {"w": torch.arange(1000, dtype=torch.float32)}, {"round": 1})
 manager.save(2, {f"block{i}": torch.full((25 * 2**18,), float(i)) for i in range(8)}, {"round": 2})
@@ -331,6 +331,6 @@ def test_rng_state_round_trips_through_json():
 def test_cuda_rng_state_without_cuda_warns(caplog):
     state = rng_state()
     state["cuda"] = [state["torch"]]
-    with caplog.at_level(logging.WARNING, logger="spes_node.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="spes_node.daemon.checkpoint"):
         set_rng_state(state)
     assert "CUDA RNG states for 1 devices" in caplog.text

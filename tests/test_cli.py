@@ -7,8 +7,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
+import spes_node.daemon.node
 import spes_node.logs
-import spes_node.node
 from spes_node.cli import main
 
 
@@ -23,7 +23,7 @@ def cli(monkeypatch):
     def refuse(*_args, **_kwargs):
         raise NodeStarted("a node was started")
 
-    monkeypatch.setattr(spes_node.node, "Node", refuse)
+    monkeypatch.setattr(spes_node.daemon.node, "Node", refuse)
     monkeypatch.setattr(spes_node.logs, "setup_logging", lambda *a, **k: None)
     for key in [k for k in os.environ if k.startswith("SPES_")]:
         monkeypatch.delenv(key)
@@ -177,7 +177,7 @@ def test_valid_flags_reach_the_node(cli, tmp_path, monkeypatch):
         def run(self):
             pass
 
-    monkeypatch.setattr(spes_node.node, "Node", FakeNode)
+    monkeypatch.setattr(spes_node.daemon.node, "Node", FakeNode)
     env = {"SPES_RUN_ID": "from-env", "SPES_MAX_ROUNDS": "3", "SPES_DEVICE": "cpu"}
     result = cli(
         "join", "--preset", "tiny", "--shard", "2", "--checkpoint-dir", str(tmp_path / "ck"), env=env

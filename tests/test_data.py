@@ -11,11 +11,11 @@ import pytest
 import torch
 from tokenizers import normalizers
 
-from spes_node import data
-from spes_node.data import DataSpec, TokenBatcher, is_validation, stdlib_files, validation_batches
-from spes_node.records import NodeInfo
-from spes_node.sharding import data_part
-from spes_node.tokenizer import load_tokenizer
+from spes_node.daemon import data
+from spes_node.daemon.data import DataSpec, TokenBatcher, is_validation, stdlib_files, validation_batches
+from spes_node.daemon.placement import data_part
+from spes_node.model.tokenizer import load_tokenizer
+from spes_node.swarm.records import NodeInfo
 
 EOS = 258
 DOC_RE = re.compile(r"^doc-\d{4}( [a-z]+)*$")

@@ -11,8 +11,8 @@ import yaml
 
 from spes_node.cli import main
 from spes_node.config import list_presets
-from spes_node.identity import peer_id_of
-from spes_node.metrics import NodeMetrics
+from spes_node.daemon.metrics import NodeMetrics
+from spes_node.swarm.identity import peer_id_of
 
 DOCKER = Path(__file__).resolve().parent.parent / "docker"
 SPES_SERVICES = ("bootstrap", "volunteer", "status")

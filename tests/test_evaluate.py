@@ -12,11 +12,11 @@ from click.testing import CliRunner
 
 from spes_node.cli import main
 from spes_node.config import SpesConfig, load_preset
-from spes_node.data import validation_batches
-from spes_node.export import SPES_CONFIG_FILE, save_hf_checkpoint
-from spes_node.model import MoEForCausalLM
-from spes_node.sharding import dense_state_dict
-from spes_node.tokenizer import load_tokenizer
+from spes_node.daemon.data import validation_batches
+from spes_node.model.hf_checkpoint import SPES_CONFIG_FILE, save_hf_checkpoint
+from spes_node.model.moe import MoEForCausalLM
+from spes_node.model.ownership import dense_state_dict
+from spes_node.model.tokenizer import load_tokenizer
 
 DOCS = [f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * (3 + i % 4) for i in range(40)]
 

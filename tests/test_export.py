@@ -13,20 +13,15 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from spes_node.checkpoint import CheckpointManager
 from spes_node.cli import main
 from spes_node.config import SpesConfig, load_preset
-from spes_node.export import (
-    PROVENANCE_FILE,
-    SPES_CONFIG_FILE,
-    load_checkpoint_weights,
-    load_hf_weights,
-    plan_downloads,
-)
-from spes_node.model import MoEForCausalLM
-from spes_node.records import NodeInfo
-from spes_node.sharding import apply_ownership, dense_state_dict, shard_tensors, shared_parameters
-from spes_node.tokenizer import is_byte_tokenizer
+from spes_node.daemon.checkpoint import CheckpointManager
+from spes_node.daemon.export import load_checkpoint_weights, plan_downloads
+from spes_node.model.hf_checkpoint import PROVENANCE_FILE, SPES_CONFIG_FILE, load_hf_weights
+from spes_node.model.moe import MoEForCausalLM
+from spes_node.model.ownership import apply_ownership, dense_state_dict, shard_tensors, shared_parameters
+from spes_node.model.tokenizer import is_byte_tokenizer
+from spes_node.swarm.records import NodeInfo
 
 OWN_SHARD = 1
 
@@ -100,7 +95,7 @@ def test_export_of_tied_embeddings_and_grouped_query_attention(tmp_path):
 
 
 def test_large_models_are_split_into_several_safetensors_files(tmp_path, monkeypatch):
-    monkeypatch.setattr("spes_node.export.MAX_SHARD_SIZE", "1MB")
+    monkeypatch.setattr("spes_node.model.hf_checkpoint.MAX_SHARD_SIZE", "1MB")
     cfg = tiny_config("bf16")
     model = write_node_checkpoint(tmp_path / "node", cfg)
     assert export("--checkpoint-dir", str(tmp_path / "node"), "--out", str(tmp_path / "out")).exit_code == 0
@@ -241,7 +236,7 @@ def test_plan_without_a_live_holder_fails_with_one_clear_line_or_takes_copies():
 
 
 def start_node(tmp_path: Path, name: str, cfg: SpesConfig, shard: int, peers: list[str] | None = None):
-    from spes_node.node import Node, NodeOptions
+    from spes_node.daemon.node import Node, NodeOptions
 
     opts = NodeOptions(
         peers=peers or [],

@@ -19,11 +19,11 @@ from hivemind.utils.serializer import MSGPackSerializer
 from netns import HostSwarm
 from swarm_utils import spes_cli
 
-from spes_node import records
-from spes_node.averaging import valid_gather
-from spes_node.identity import peer_id_of
 from spes_node.proto import NodeRecord
-from spes_node.robust import (
+from spes_node.swarm import records
+from spes_node.swarm.averaging import valid_gather
+from spes_node.swarm.identity import peer_id_of
+from spes_node.swarm.robust import (
     FAULT_ENV,
     BanList,
     RobustAverager,
@@ -34,7 +34,7 @@ from spes_node.robust import (
     open_gathered,
     robust_mean,
 )
-from spes_node.swarm_key import SwarmKey, load_swarm_key
+from spes_node.swarm.swarm_key import SwarmKey, load_swarm_key
 
 SHAPE = torch.Size([64, 8])
 
@@ -156,7 +156,7 @@ def test_reducer_aggregates_robustly_and_reports_the_bad_sender():
 
 def test_ban_list_expires_and_stays_bounded(monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr("spes_node.robust.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("spes_node.swarm.robust.time.monotonic", lambda: clock[0])
     bans = BanList(seconds=10, max_peers=2)
     assert bans.ban("a", "nan") and not bans.ban("a", "nan again")
     clock[0] += 1
@@ -491,9 +491,9 @@ def test_peer_without_the_swarm_key_is_refused(host_swarm):
 
 async def _state_downloads(node: records.NodeInfo, swarm: HostSwarm, keys: list[str | None]) -> list[str]:
     """For each key (None: no key), the outcome of downloading `node`'s shared weights from an outside peer."""
-    from spes_node.model import MoEForCausalLM
-    from spes_node.sharding import shared_parameters
-    from spes_node.transfer import TransferError, download_part
+    from spes_node.model.moe import MoEForCausalLM
+    from spes_node.model.ownership import shared_parameters
+    from spes_node.swarm.transfer import TransferError, download_part
 
     with torch.device("meta"):
         model = MoEForCausalLM(swarm.cfg.model, swarm.cfg.swarm.num_shards)

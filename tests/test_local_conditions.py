@@ -20,12 +20,12 @@ import torch
 from click.testing import CliRunner
 from safetensors import SafetensorError
 
-import spes_node.checkpoint
+import spes_node.daemon.checkpoint
 import spes_node.logs
-from spes_node.checkpoint import CheckpointError, CheckpointManager
 from spes_node.cli import main
-from spes_node.identity import load_or_create_identity
-from spes_node.node import Node, NodeOptions
+from spes_node.daemon.checkpoint import CheckpointError, CheckpointManager
+from spes_node.daemon.node import Node, NodeOptions
+from spes_node.swarm.identity import load_or_create_identity
 
 ENOSPC = "Error while serializing: I/O error: No space left on device (os error 28)"
 
@@ -83,7 +83,7 @@ def _failing_writer(_tensors, path, *_args, **_kwargs):
 def test_full_disk_is_a_checkpoint_error_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     manager = CheckpointManager(tmp_path)
     manager.save(1, _tensors(), {"round": 1})
-    monkeypatch.setattr(spes_node.checkpoint, "save_file", _failing_writer)
+    monkeypatch.setattr(spes_node.daemon.checkpoint, "save_file", _failing_writer)
     with pytest.raises(CheckpointError) as info:
         manager.save(2, _tensors(), {"round": 2})
     assert "step-00000002" in str(info.value) and "No space left on device" in str(info.value)
@@ -219,9 +219,9 @@ def test_full_disk_during_a_periodic_checkpoint_logs_and_trains_on(tmp_path, mon
     node = _node_with_state(tmp_path)
     node.save_checkpoint()
     node.trainer.step = 2
-    writer = spes_node.checkpoint.save_file
-    monkeypatch.setattr(spes_node.checkpoint, "save_file", _failing_writer)
-    with caplog.at_level(logging.ERROR, logger="spes_node.node"):
+    writer = spes_node.daemon.checkpoint.save_file
+    monkeypatch.setattr(spes_node.daemon.checkpoint, "save_file", _failing_writer)
+    with caplog.at_level(logging.ERROR, logger="spes_node.daemon.node"):
         node.save_checkpoint()  # must not raise: the training loop goes on
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1, errors
@@ -230,6 +230,6 @@ def test_full_disk_during_a_periodic_checkpoint_logs_and_trains_on(tmp_path, mon
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
     assert node.checkpoints.latest().step == 1
 
-    monkeypatch.setattr(spes_node.checkpoint, "save_file", writer)
+    monkeypatch.setattr(spes_node.daemon.checkpoint, "save_file", writer)
     node.save_checkpoint()  # the failed step is not remembered as saved: the next try writes it
     assert node.checkpoints.latest().step == 2

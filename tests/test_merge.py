@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from spes_node.merge import merge_alpha, merge_layer, merge_step_due
+from spes_node.model.merge import merge_alpha, merge_layer, merge_step_due
 
 
 def _slow_merge(gate_up, down, alpha, k, update):
@@ -145,7 +145,7 @@ def test_merge_step_due():
 
 
 def test_no_merge_and_no_premerge_download_once_the_warm_up_is_over():
-    from spes_node.merge import merge_due
+    from spes_node.model.merge import merge_due
 
     # interval 500, alpha0 0.05, horizon 10000: merges at 500 ... 9500, none at 10000 and after (alpha = 0)
     assert merge_due(500, 500, 0.05, 10_000)

@@ -5,8 +5,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from spes_node.metrics import BYTE_KINDS, NodeMetrics
-from spes_node.node import NodeStatus
+from spes_node.daemon.metrics import BYTE_KINDS, NodeMetrics
+from spes_node.daemon.node import NodeStatus
 
 
 def _report(round_: int, **overrides) -> dict:

@@ -3,9 +3,9 @@ import torch
 from transformers import OlmoeForCausalLM
 
 from spes_node.config import ModelConfig, load_preset
-from spes_node.hf_interop import from_hf_config, from_hf_state_dict, to_hf_config, to_hf_state_dict
-from spes_node.model import MoEForCausalLM, analytic_param_count, is_expert_name, num_params
-from spes_node.sharding import (
+from spes_node.model.hf_interop import from_hf_config, from_hf_state_dict, to_hf_config, to_hf_state_dict
+from spes_node.model.moe import MoEForCausalLM, analytic_param_count, is_expert_name, num_params
+from spes_node.model.ownership import (
     apply_ownership,
     dense_state_dict,
     load_dense_state_dict,
@@ -283,7 +283,7 @@ def test_loss_terms_at_a_uniform_router():
 def test_frozen_experts_backward_matches_dense_weights(frozen_dtype, monkeypatch):
     """Gradients through frozen experts (rebuilt from their stored form in backward) equal those of a plain
     linear layer on the dequantized weights, and activation memory keeps no dense copy of them."""
-    from spes_node.model import ExpertShard
+    from spes_node.model.moe import ExpertShard
 
     model = _model(TINY)
     apply_ownership(model, [1], frozen_dtype)

@@ -17,7 +17,7 @@ import pytest
 from netns import HostSwarm, Network, unavailable
 from swarm_utils import NODE_ENV, wait_for
 
-from spes_node.shards import replica_counts
+from spes_node.daemon.placement import replica_counts
 
 REASON = unavailable()
 pytestmark = [
@@ -221,9 +221,9 @@ import hivemind, torch
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import PeerID
 from spes_node.config import load_config
-from spes_node.model import MoEForCausalLM
-from spes_node.sharding import shard_tensors
-from spes_node.transfer import TransferError, download_part
+from spes_node.model.moe import MoEForCausalLM
+from spes_node.model.ownership import shard_tensors
+from spes_node.swarm.transfer import TransferError, download_part
 
 boot, config_path, peer, run_id, *circuits = sys.argv[1:]
 cfg = load_config(config_path)

@@ -21,8 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from spes_node.cli import main
 from spes_node.config import load_preset
-from spes_node.model import MoEForCausalLM, analytic_param_count
-from spes_node.plan import (
+from spes_node.daemon.plan import (
     CUDA_RESERVE,
     GIB,
     MIB,
@@ -32,9 +31,10 @@ from spes_node.plan import (
     parse_size,
     plan_table,
 )
-from spes_node.rounds import SpesRound
-from spes_node.sharding import apply_ownership
-from spes_node.trainer import Trainer
+from spes_node.daemon.round import SpesRound
+from spes_node.daemon.trainer import Trainer
+from spes_node.model.moe import MoEForCausalLM, analytic_param_count
+from spes_node.model.ownership import apply_ownership
 
 TOLERANCE = 0.15
 

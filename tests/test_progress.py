@@ -3,7 +3,7 @@
 import random
 from dataclasses import dataclass, field
 
-from spes_node.progress import consensus_round, rank_holders, should_catch_up, wait_for_peers
+from spes_node.swarm.progress import consensus_round, rank_holders, should_catch_up, wait_for_peers
 
 ACTIVE = ("training", "averaging")
 

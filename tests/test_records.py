@@ -14,9 +14,9 @@ from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
-from spes_node.identity import load_or_create_identity, peer_id_of, peer_id_of_public_key
 from spes_node.proto import NodeRecord, SwarmConfigRecord
-from spes_node.records import (
+from spes_node.swarm.identity import load_or_create_identity, peer_id_of, peer_id_of_public_key
+from spes_node.swarm.records import (
     MAX_VALUE_BYTES,
     ConfigConflict,
     NodeInfo,
@@ -192,10 +192,12 @@ def test_bad_records_are_skipped_with_one_warning_each(peers, run_id, caplog):
 
     caplog.clear()
     problems: list[str] = []
-    with caplog.at_level(logging.WARNING, logger="spes_node.records"):
+    with caplog.at_level(logging.WARNING, logger="spes_node.swarm.records"):
         nodes = fetch_nodes(a.dht, run_id, num_shards=4, problems=problems)
     assert list(nodes) == [a.peer_id]
-    warnings = [r for r in caplog.records if r.name == "spes_node.records" and r.levelno == logging.WARNING]
+    warnings = [
+        r for r in caplog.records if r.name == "spes_node.swarm.records" and r.levelno == logging.WARNING
+    ]
     assert len(warnings) == len(bad_values) + 1
     assert sorted(problems) == sorted(w.getMessage() for w in warnings)
     for needle in (
@@ -212,7 +214,7 @@ def test_bad_records_are_skipped_with_one_warning_each(peers, run_id, caplog):
 
     caplog.clear()
     problems.clear()
-    with caplog.at_level(logging.WARNING, logger="spes_node.records"):
+    with caplog.at_level(logging.WARNING, logger="spes_node.swarm.records"):
         assert list(fetch_nodes(a.dht, run_id, num_shards=4, problems=problems)) == [a.peer_id]
     assert not caplog.records, "a bad record is logged once, not on every fetch"
     assert len(problems) == len(bad_values) + 1, "but every fetch reports it to its caller"
@@ -340,7 +342,7 @@ def test_config_with_wrong_hash_is_ignored(peers, run_id, caplog):
     assert b.dht.store(
         config_key(run_id), forged.SerializeToString(), now + 60, subkey=b.validator.local_public_key
     )
-    with caplog.at_level(logging.WARNING, logger="spes_node.records"):
+    with caplog.at_level(logging.WARNING, logger="spes_node.swarm.records"):
         assert fetch_config(a.dht, run_id) is None
     assert "does not match" in caplog.text
 

@@ -1,4 +1,4 @@
-"""Relay helpers (`spes_node.relay`); the relay itself is exercised in namespaces by tests/test_netns.py."""
+"""Relay helpers (`spes_node.swarm.relay`); the relay itself is exercised in namespaces by tests/test_netns.py."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from spes_node import relay
-from spes_node.records import NodeInfo
+from spes_node.swarm import relay
+from spes_node.swarm.records import NodeInfo
 
 RELAY_ID = "12D3KooWCnLmjc8oo1X4AgZxffePQrQuqwX7FTqfg3QTq4mSn26q"
 NODE_ID = "QmUSj3pmNyBfBqLMBNrRpjSKYgzh8P3Cqgqk5tjMK8fnn9"

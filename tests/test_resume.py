@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from spes_node.checkpoint import MODEL_FILE, CheckpointManager
+from spes_node.daemon.checkpoint import MODEL_FILE, CheckpointManager
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(900)]
 
@@ -154,7 +154,7 @@ def test_resume_gives_same_loss(runs):
 
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(runs):
     log = runs["d_log"]
-    assert "spes_node.checkpoint: skipping corrupt checkpoint" in log
+    assert "spes_node.daemon.checkpoint: skipping corrupt checkpoint" in log
     assert "model.safetensors sha256 mismatch" in log
     assert "resumed from step-00000002: round 0, step 2" in log
     resumed = CheckpointManager(runs["d"]).latest()

@@ -8,7 +8,7 @@ import torch
 from hivemind.averaging.partition import TensorPartContainer
 from hivemind.p2p import PeerID
 
-from spes_node.robust import BanAwareMatchmaking, CheckedPartContainer, RobustPolicy, robust_mean
+from spes_node.swarm.robust import BanAwareMatchmaking, CheckedPartContainer, RobustPolicy, robust_mean
 
 
 def test_a_claimed_weight_counts_no_more_than_one_round_of_training():

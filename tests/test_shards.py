@@ -2,17 +2,17 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from spes_node.records import NodeInfo
-from spes_node.sharding import data_part
-from spes_node.shards import (
+from spes_node.daemon.placement import (
     assign_joiners,
     choose_shard,
+    data_part,
     expert_to_shard,
     plan_rebalance,
     replica_counts,
     shard_experts,
     under_replicated,
 )
+from spes_node.swarm.records import NodeInfo
 
 
 @dataclass

@@ -16,17 +16,18 @@ from click.testing import CliRunner
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 
+import spes_node.cli.simulate
 import spes_node.logs
-import spes_node.simulate
-from spes_node import records, status
-from spes_node.bootstrap import start_bootstrap
 from spes_node.cli import main
+from spes_node.cli.simulate import new_run_dir, table
 from spes_node.config import load_preset
-from spes_node.identity import load_or_create_identity
-from spes_node.node import Node, NodeError, NodeOptions
-from spes_node.records import NodeInfo
-from spes_node.simulate import new_run_dir, table
-from spes_node.swarm_key import SwarmKey
+from spes_node.daemon import status
+from spes_node.daemon.node import Node, NodeError, NodeOptions
+from spes_node.swarm import records
+from spes_node.swarm.bootstrap import start_bootstrap
+from spes_node.swarm.identity import load_or_create_identity
+from spes_node.swarm.records import NodeInfo
+from spes_node.swarm.swarm_key import SwarmKey
 
 FAKE_MADDR = "/ip4/127.0.0.1/tcp/4242/p2p/QmXZ8oXr4z2dFFU1Ms2mx6kzLb2fkz5o8W3BqzZJvtUNCp"
 
@@ -105,9 +106,9 @@ def fake_simulate(monkeypatch):
         started.append(FakeDaemon(cmd, log_path, env))
         return started[-1]
 
-    monkeypatch.setattr(spes_node.simulate, "start_bootstrap", lambda *a, **k: FakeBootstrap())
-    monkeypatch.setattr(spes_node.simulate, "start_daemon", start_daemon)
-    monkeypatch.setattr(spes_node.simulate.records, "fetch_nodes", lambda *a, **k: {})
+    monkeypatch.setattr(spes_node.cli.simulate, "start_bootstrap", lambda *a, **k: FakeBootstrap())
+    monkeypatch.setattr(spes_node.cli.simulate, "start_daemon", start_daemon)
+    monkeypatch.setattr(spes_node.cli.simulate.records, "fetch_nodes", lambda *a, **k: {})
 
     def invoke(*args: str):
         return CliRunner().invoke(main, ["simulate", *args], catch_exceptions=True)
@@ -260,7 +261,7 @@ def test_a_node_logs_complete_join_and_status_commands(tmp_path, caplog, monkeyp
     )
     node = Node(None, opts)
     node.validator = RSASignatureValidator(load_or_create_identity(tmp_path / "identity.key"))
-    with caplog.at_level(logging.INFO, logger="spes_node.node"):
+    with caplog.at_level(logging.INFO, logger="spes_node.daemon.node"):
         dht = node._start_dht(str(tmp_path / "identity.key"))
     try:
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
@@ -289,6 +290,6 @@ def test_a_node_logs_complete_join_and_status_commands(tmp_path, caplog, monkeyp
 
 
 def test_status_command_of_simulate_parses():
-    command = shlex.split(spes_node.simulate.status_command([FAKE_MADDR], "demo"))
+    command = shlex.split(spes_node.cli.simulate.status_command([FAKE_MADDR], "demo"))
     params = main.commands["status"].make_context("status", command[2:]).params
     assert list(params["peers"]) == [FAKE_MADDR] and params["run_id"] == "demo"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from swarm_utils import Swarm
 
-from spes_node.checkpoint import CheckpointManager
+from spes_node.daemon.checkpoint import CheckpointManager
 from spes_node.procs import descendants
 
 pytestmark = pytest.mark.swarm

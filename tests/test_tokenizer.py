@@ -6,7 +6,12 @@ import pytest
 from tokenizers import normalizers
 from transformers import AutoTokenizer
 
-from spes_node.tokenizer import BYTE_TOKENIZER_FILE, BYTE_VOCAB_SIZE, is_byte_tokenizer, load_tokenizer
+from spes_node.model.tokenizer import (
+    BYTE_TOKENIZER_FILE,
+    BYTE_VOCAB_SIZE,
+    is_byte_tokenizer,
+    load_tokenizer,
+)
 
 SAMPLES = [
     "",

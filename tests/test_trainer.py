@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from spes_node.config import load_preset
-from spes_node.model import MoEForCausalLM, analytic_param_count
-from spes_node.sharding import apply_ownership, shard_tensors, shared_parameters
-from spes_node.trainer import Trainer, lr_at, resolve_device
+from spes_node.daemon.trainer import Trainer, lr_at
+from spes_node.devices import resolve_device
+from spes_node.model.moe import MoEForCausalLM, analytic_param_count
+from spes_node.model.ownership import apply_ownership, shard_tensors, shared_parameters
 
 CPU = torch.device("cpu")
 

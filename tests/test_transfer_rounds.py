@@ -4,7 +4,7 @@ import asyncio
 
 import torch
 
-from spes_node.transfer import Snapshot, StateServer
+from spes_node.swarm.transfer import Snapshot, StateServer
 
 
 def _server() -> StateServer:

@@ -15,11 +15,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from spes_node.cli import main
 from spes_node.config import load_config
-from spes_node.export import PROVENANCE_FILE, SPES_CONFIG_FILE, load_hf_weights
-from spes_node.hf_interop import from_hf_config
-from spes_node.model import MoEForCausalLM
-from spes_node.sharding import apply_ownership
-from spes_node.tokenizer import load_tokenizer
+from spes_node.model.hf_checkpoint import PROVENANCE_FILE, SPES_CONFIG_FILE, load_hf_weights
+from spes_node.model.hf_interop import from_hf_config
+from spes_node.model.moe import MoEForCausalLM
+from spes_node.model.ownership import apply_ownership
+from spes_node.model.tokenizer import load_tokenizer
 
 DIMS = {
     "vocab_size": 260,

@@ -1,0 +1,3 @@
+from spes_node.cli.main import run
+
+run()

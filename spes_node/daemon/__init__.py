@@ -1,0 +1,1 @@
+"""The training daemon: node lifecycle, the round, placement, training, data, checkpoints."""

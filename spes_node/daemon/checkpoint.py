@@ -1,0 +1,484 @@
+"""Crash-safe checkpoints: model tensors, optimizer state and metadata as safetensors + JSON.
+
+A checkpoint is the directory `DIR/step-00000123/` with `model.safetensors`, `optimizer.safetensors` (the
+tensors of the nested optimizer state, see `flatten_state`) and `meta.json` (user metadata, the optimizer
+structure with tensor placeholders, the sha256 and size of each file, the format version, and a checksum of
+meta.json's own content). Nothing is pickled: checkpoint files may come from untrusted places.
+
+Writes go to a temporary sibling directory that is renamed into place once every file is on disk, so a crash
+leaves either the old set of checkpoints or the new one. Loading verifies every checksum and falls back to an
+older checkpoint when the newest is damaged.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from spes_node.errors import SpesError
+from spes_node.files import fsync_dir, replace_dir
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "spes-node-checkpoint"
+FORMAT_VERSION = 1
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+META_FILE = "meta.json"
+
+_STEP_DIR = re.compile(r"step-(\d{8,})")
+_RETIRED_DIR = re.compile(r"\.old-step-(\d{8,})-[0-9a-f]+")
+_TMP_PREFIX = ".tmp-"
+_HASH_CHUNK = 1 << 22
+
+_TENSOR = "__tensor__"
+_TUPLE = "__tuple__"
+_ITEMS = "__items__"
+
+
+class CheckpointError(SpesError):
+    """No checkpoint can be loaded although some exist, or the checkpoint directory cannot be used."""
+
+
+class _Corrupt(Exception):
+    """One checkpoint failed verification; the message says why, in one line."""
+
+
+@dataclass
+class Checkpoint:
+    """A verified checkpoint, loaded into CPU memory."""
+
+    step: int
+    tensors: dict[str, torch.Tensor]
+    optimizer: dict | None
+    meta: dict
+    path: Path
+
+
+class CheckpointManager:
+    """Saves checkpoints atomically into one directory, keeps the newest `keep`, loads the newest intact."""
+
+    def __init__(self, directory: str | Path, keep: int = 3):
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep: expected an int >= 1, got {keep!r}")
+        self.directory = Path(directory)
+        self.keep = keep
+        if self.directory.exists() and not self.directory.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.directory} exists and is not a directory")
+
+    def save(
+        self, step: int, tensors: dict[str, torch.Tensor], meta: dict, optimizer: dict | None = None
+    ) -> Path:
+        """Write checkpoint `step` (replacing one of the same step), prune beyond `keep`; returns its path."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step: expected an int >= 0, got {step!r}")
+        if not isinstance(meta, dict):
+            raise ValueError(f"meta: expected a dict, got {type(meta).__name__}")
+        try:
+            meta = json.loads(json.dumps(meta))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"meta: not JSON-serialisable ({e})") from None
+        model_tensors = _prepare(tensors, "tensors")
+        structure = None
+        if optimizer is not None:
+            optimizer_tensors, structure = flatten_state(optimizer)
+            optimizer_tensors = _prepare(optimizer_tensors, "optimizer")
+
+        self._ensure_directory()
+        try:
+            self._clean_leftovers()
+        except OSError as e:
+            raise CheckpointError(f"checkpoint directory {self.directory} is unusable: {os_reason(e)}") from e
+        newer = [s for s in self._checkpoint_dirs() if s > step]
+        if newer:
+            logger.warning(
+                "checkpoint step %d is written below newer step %d in %s; latest() prefers the newer one",
+                step,
+                max(newer),
+                self.directory,
+            )
+        final = self.directory / _dir_name(step)
+        tmp = self.directory / f"{_TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:12]}"
+        try:
+            tmp.mkdir()
+            files = {MODEL_FILE: _write_tensors(tmp / MODEL_FILE, model_tensors)}
+            if structure is not None:
+                files[OPTIMIZER_FILE] = _write_tensors(tmp / OPTIMIZER_FILE, optimizer_tensors)
+            body = {
+                "format": FORMAT,
+                "version": FORMAT_VERSION,
+                "step": step,
+                "meta": meta,
+                "optimizer": structure,
+                "files": files,
+            }
+            document = {**body, "checksum": _json_checksum(body)}
+            _write_bytes(tmp / META_FILE, json.dumps(document, indent=1).encode())
+            fsync_dir(tmp)
+            replace_dir(tmp, final, durable=True)
+        except (OSError, SafetensorError) as e:
+            # SafetensorError: safetensors reports a full disk or a failed write as its own error, not an OSError
+            shutil.rmtree(tmp, ignore_errors=True)
+            reason = (e.strerror if isinstance(e, OSError) else None) or str(e) or type(e).__name__
+            raise CheckpointError(f"cannot write checkpoint {final}: {reason}") from e
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        logger.info("saved checkpoint step %d to %s", step, final)
+        self._prune(final)
+        return final
+
+    def latest(self) -> Checkpoint | None:
+        """The newest checkpoint that verifies; None if there is none at all.
+
+        Damaged checkpoints are skipped with one warning each. Raises CheckpointError when checkpoints exist
+        but none of them loads.
+        """
+        dirs = self._checkpoint_dirs()
+        if not dirs:
+            return None
+        reasons = []
+        for step, path in sorted(dirs.items(), reverse=True):
+            try:
+                return _load(path, step)
+            except _Corrupt as e:
+                logger.warning("skipping corrupt checkpoint %s: %s", path, e)
+                reasons.append(f"{path.name}: {e}")
+        raise CheckpointError(
+            f"no loadable checkpoint in {self.directory}: all {len(dirs)} are corrupt (newest {reasons[0]})"
+        )
+
+    def list(self) -> list[Path]:
+        """Checkpoints that were completely written (renamed into place), oldest first; not verified."""
+        return [path for _, path in sorted(self._checkpoint_dirs().items())]
+
+    def _checkpoint_dirs(self) -> dict[int, Path]:
+        if not self.directory.exists():
+            return {}
+        if not self.directory.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.directory} exists and is not a directory")
+        found: dict[int, Path] = {}
+        retired: dict[int, Path] = {}
+        try:
+            entries = list(self.directory.iterdir())
+        except OSError as e:
+            raise CheckpointError(f"cannot read checkpoint directory {self.directory}: {e.strerror}") from e
+        for entry in entries:
+            if (match := _STEP_DIR.fullmatch(entry.name)) and entry.name == _dir_name(int(match[1])):
+                if entry.is_dir():
+                    found[int(match[1])] = entry
+            elif (match := _RETIRED_DIR.fullmatch(entry.name)) and entry.is_dir():
+                retired[int(match[1])] = entry
+        return {**retired, **found}
+
+    def _ensure_directory(self) -> None:
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"checkpoint directory {self.directory} is unusable: {os_reason(e)}") from e
+
+    def _clean_leftovers(self) -> None:
+        """Remove what a crashed writer left behind; put back a checkpoint that was being replaced."""
+        for entry in sorted(self.directory.iterdir()):
+            if entry.name.startswith(_TMP_PREFIX):
+                logger.info("removing leftover temporary checkpoint directory %s", entry)
+                shutil.rmtree(entry, ignore_errors=True)
+            elif match := _RETIRED_DIR.fullmatch(entry.name):
+                final = self.directory / _dir_name(int(match[1]))
+                if final.exists():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    logger.warning("restoring checkpoint %s from interrupted replacement %s", final, entry)
+                    os.replace(entry, final)
+                    fsync_dir(self.directory)
+
+    def _prune(self, written: Path) -> None:
+        others = [path for path in self.list() if path != written]
+        for path in others[: max(0, len(others) + 1 - self.keep)]:
+            doomed = self.directory / f"{_TMP_PREFIX}pruned-{path.name}-{uuid.uuid4().hex[:12]}"
+            try:
+                os.replace(path, doomed)
+            except OSError as e:
+                logger.warning("could not prune checkpoint %s: %s", path, e.strerror or e)
+                continue
+            shutil.rmtree(doomed, ignore_errors=True)
+            logger.debug("pruned checkpoint %s", path)
+
+
+def os_reason(error: OSError) -> str:
+    """A short reason for an OSError from making or writing a path, e.g. 'Read-only file system'."""
+    if isinstance(error, FileExistsError):
+        return "Not a directory"  # mkdir(exist_ok=True) fails so only when the path or a parent is a file
+    return error.strerror or str(error) or type(error).__name__
+
+
+def prepare_directory(directory: str | Path, replaced: tuple[str, ...] = ()) -> None:
+    """Create `directory` if needed and check that files can be written in it and that the files named in
+    `replaced`, where they exist, may be replaced; raises CheckpointError saying why not.
+
+    A node calls this before it starts anything, so that a read-only or unusable directory is one clear error
+    at startup rather than a traceback at the first write."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise CheckpointError(f"checkpoint directory {directory} is unusable: {os_reason(e)}") from None
+    for name in replaced:
+        path = directory / name
+        if path.exists() and not os.access(path, os.W_OK):
+            raise CheckpointError(f"{path} is read-only: the node rewrites it; make it writable or remove it")
+
+
+def flatten_state(obj: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    """Split a nested state (e.g. `optimizer.state_dict()`) into its tensors and a JSON-safe structure.
+
+    The structure holds `{"__tensor__": key}` placeholders; tuples and dicts whose keys are not plain strings
+    are tagged so that `unflatten_state` restores them exactly (int keys stay ints).
+    """
+    tensors: dict[str, torch.Tensor] = {}
+
+    def encode(value: Any, where: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            key = f"t{len(tensors)}"
+            tensors[key] = value
+            return {_TENSOR: key}
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, list):
+            return [encode(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        if isinstance(value, tuple):
+            return {_TUPLE: [encode(v, f"{where}[{i}]") for i, v in enumerate(value)]}
+        if isinstance(value, dict):
+            if all(isinstance(k, str) and not k.startswith("__") for k in value):
+                return {k: encode(v, f"{where}.{k}") for k, v in value.items()}
+            items = []
+            for k, v in value.items():
+                if not (k is None or isinstance(k, (bool, int, float, str))):
+                    raise TypeError(f"{where}: cannot checkpoint a dict key of type {type(k).__name__}")
+                items.append([k, encode(v, f"{where}[{k!r}]")])
+            return {_ITEMS: items}
+        raise TypeError(f"{where}: cannot checkpoint a value of type {type(value).__name__}")
+
+    return tensors, encode(obj, "state")
+
+
+def unflatten_state(structure: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of `flatten_state`; raises ValueError for a malformed structure or a missing tensor."""
+
+    def decode(node: Any) -> Any:
+        if isinstance(node, list):
+            return [decode(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        tagged = [k for k in node if isinstance(k, str) and k.startswith("__")]
+        if not tagged:
+            return {k: decode(v) for k, v in node.items()}
+        if len(node) != 1 or tagged[0] not in (_TENSOR, _TUPLE, _ITEMS):
+            raise ValueError(f"malformed state structure: unexpected keys {sorted(node)}")
+        tag, payload = tagged[0], node[tagged[0]]
+        if tag == _TENSOR:
+            if not isinstance(payload, str) or payload not in tensors:
+                raise ValueError(f"state structure refers to missing tensor {payload!r}")
+            return tensors[payload]
+        if not isinstance(payload, list):
+            raise ValueError(f"malformed state structure: {tag} holds {type(payload).__name__}")
+        if tag == _TUPLE:
+            return tuple(decode(v) for v in payload)
+        if not all(
+            isinstance(item, list) and len(item) == 2 and not isinstance(item[0], (list, dict))
+            for item in payload
+        ):
+            raise ValueError("malformed state structure: dict items must be [key, value] pairs")
+        return {k: decode(v) for k, v in payload}
+
+    return decode(structure)
+
+
+def rng_state() -> dict:
+    """The python, numpy, torch CPU and (when available) CUDA random states, as JSON-serialisable data."""
+    version, internal, gauss = random.getstate()
+    bit_generator, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    state = {
+        "python": [version, list(internal), gauss],
+        "numpy": [bit_generator, keys.tolist(), pos, has_gauss, cached_gaussian],
+        "torch": _encode_bytes(torch.get_rng_state()),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [_encode_bytes(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore random states captured by `rng_state`."""
+    for field in ("python", "numpy", "torch"):
+        if field not in state:
+            raise ValueError(f"rng state: missing field {field!r}")
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    bit_generator, keys, pos, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((bit_generator, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached_gaussian))
+    torch.set_rng_state(_decode_bytes(state["torch"]))
+    cuda = state.get("cuda") or []
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cuda and len(cuda) != available:
+        logger.warning(
+            "checkpoint holds CUDA RNG states for %d devices, this machine has %d; restoring %d",
+            len(cuda),
+            available,
+            min(len(cuda), available),
+        )
+    for device, encoded in enumerate(cuda[:available]):
+        torch.cuda.set_rng_state(_decode_bytes(encoded), device)
+
+
+def _dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _prepare(tensors: dict[str, torch.Tensor], field: str) -> dict[str, torch.Tensor]:
+    """CPU, contiguous, detached tensors with no two sharing storage (tied weights are copied)."""
+    if not isinstance(tensors, dict):
+        raise ValueError(f"{field}: expected a dict of tensors, got {type(tensors).__name__}")
+    prepared: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for name, tensor in tensors.items():
+        if not isinstance(name, str):
+            raise ValueError(f"{field}: tensor names must be str, got {name!r}")
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{field}[{name!r}]: expected a tensor, got {type(tensor).__name__}")
+        tensor = tensor.detach().to("cpu").contiguous()
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer in storages:
+            tensor = tensor.clone()
+        storages.add(pointer)
+        prepared[name] = tensor
+    return prepared
+
+
+def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
+    save_file(tensors, path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+        os.fsync(f.fileno())
+    return {"sha256": digest.hexdigest(), "size": path.stat().st_size, "keys": list(tensors)}
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _json_checksum(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _encode_bytes(tensor: torch.Tensor) -> str:
+    return base64.b64encode(tensor.numpy().tobytes()).decode("ascii")
+
+
+def _decode_bytes(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def _load(path: Path, step: int) -> Checkpoint:
+    document = _read_meta(path / META_FILE)
+    if document.get("step") != step:
+        raise _Corrupt(f"meta.json names step {document.get('step')!r}, the directory step {step}")
+    files = document.get("files")
+    if not isinstance(files, dict) or MODEL_FILE not in files:
+        raise _Corrupt("meta.json lists no model file")
+    optimizer_structure = document.get("optimizer")
+    if optimizer_structure is not None and OPTIMIZER_FILE not in files:
+        raise _Corrupt("meta.json has an optimizer state but lists no optimizer file")
+    for name, expected in files.items():
+        if name not in (MODEL_FILE, OPTIMIZER_FILE):
+            raise _Corrupt(f"meta.json lists unexpected file {name!r}")
+        _verify_file(path / name, expected)
+    meta = document.get("meta")
+    if not isinstance(meta, dict):
+        raise _Corrupt("meta.json holds no metadata dict")
+    tensors = _read_tensors(path / MODEL_FILE, files[MODEL_FILE])
+    optimizer = None
+    if optimizer_structure is not None:
+        try:
+            optimizer = unflatten_state(
+                optimizer_structure, _read_tensors(path / OPTIMIZER_FILE, files[OPTIMIZER_FILE])
+            )
+        except ValueError as e:
+            raise _Corrupt(f"optimizer state: {e}") from None
+    return Checkpoint(step=step, tensors=tensors, optimizer=optimizer, meta=meta, path=path)
+
+
+def _read_meta(path: Path) -> dict:
+    try:
+        document = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise _Corrupt(f"{path.name} is missing") from None
+    except OSError as e:
+        raise _Corrupt(f"cannot read {path.name}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise _Corrupt(f"{path.name} does not parse: {e}") from None
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        raise _Corrupt(f"{path.name} is not a {FORMAT} document")
+    if document.get("version") != FORMAT_VERSION:
+        raise _Corrupt(
+            f"format version {document.get('version')!r} is not supported (this is {FORMAT_VERSION})"
+        )
+    body = {k: v for k, v in document.items() if k != "checksum"}
+    if document.get("checksum") != _json_checksum(body):
+        raise _Corrupt(f"{path.name} checksum mismatch")
+    return document
+
+
+def _verify_file(path: Path, expected: Any) -> None:
+    if not isinstance(expected, dict) or not isinstance(expected.get("size"), int):
+        raise _Corrupt(f"meta.json has no size and sha256 for {path.name}")
+    try:
+        size = path.stat().st_size
+        if size != expected["size"]:
+            raise _Corrupt(f"{path.name} has {size} bytes, expected {expected['size']}")
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(_HASH_CHUNK):
+                digest.update(chunk)
+    except FileNotFoundError:
+        raise _Corrupt(f"{path.name} is missing") from None
+    except OSError as e:
+        raise _Corrupt(f"cannot read {path.name}: {e.strerror or e}") from None
+    if digest.hexdigest() != expected.get("sha256"):
+        raise _Corrupt(f"{path.name} sha256 mismatch")
+
+
+def _read_tensors(path: Path, expected: dict) -> dict[str, torch.Tensor]:
+    """The file's tensors, in the order they were saved in."""
+    try:
+        tensors = load_file(path)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise _Corrupt(f"{path.name} does not load: {reason}") from None
+    keys = expected.get("keys")
+    if not isinstance(keys, list) or sorted(keys) != sorted(tensors):
+        raise _Corrupt(f"{path.name} holds other tensors than meta.json lists")
+    return {key: tensors[key] for key in keys}

@@ -1,0 +1,226 @@
+"""The swarm's model as a Hugging Face OLMoE checkpoint, and such checkpoints read back into our model.
+
+Two sources: a node's checkpoint directory (its own shard plus the frozen copies it holds, with the swarm config
+that the node writes beside its checkpoints as `config.json`), or the live swarm (shared parameters from any
+serving node, each shard from one of its holders, over hivemind's P2P). The output directory holds `config.json`
+(an `OlmoeConfig`), the weights as safetensors in transformers' per-expert layout (which every transformers
+version that knows OLMoE loads), the tokenizer, `generation_config.json`, the swarm config (`spes-config.json`)
+and where the weights came from (`spes-export.json`). It is written to a temporary sibling and renamed into place.
+
+Heavy libraries are imported inside the functions: the CLI imports this module to register its command.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from spes_node.swarm import relay
+from spes_node.swarm.records import ACTIVE_STATES
+
+if TYPE_CHECKING:
+    import torch
+
+    from spes_node.config import SpesConfig
+    from spes_node.swarm.records import NodeInfo
+
+logger = logging.getLogger(__name__)
+
+NODE_CONFIG_FILE = "config.json"
+
+
+# ---------------------------------------------------------------------------------------------- sources
+
+
+def load_checkpoint_weights(
+    checkpoint_dir: str | Path, config: str | Path | None = None
+) -> tuple[SpesConfig, dict[str, torch.Tensor], dict]:
+    """The swarm config, the fp32 weights (our names) and provenance of a node's newest checkpoint.
+
+    The config is `<checkpoint_dir>/config.json` unless `config` names a file; its hash must match the one in
+    the checkpoint's metadata. Frozen experts stored in bf16 or int8 are dequantized as the node's forward does.
+    """
+    from spes_node.config import SpesConfig, load_config
+    from spes_node.daemon.checkpoint import CheckpointManager
+    from spes_node.model.moe import MoEForCausalLM
+    from spes_node.model.ownership import apply_ownership, dense_state_dict
+
+    directory = Path(checkpoint_dir)
+    if not directory.is_dir():
+        raise ValueError(f"--checkpoint-dir: {directory} is not a directory")
+    if config is not None:
+        cfg = load_config(config)
+    else:
+        config_path = directory / NODE_CONFIG_FILE
+        if not config_path.is_file():
+            raise ValueError(
+                f"--checkpoint-dir: {config_path} not found (the node writes it at startup); pass --config"
+            )
+        try:
+            cfg = SpesConfig.from_json(config_path.read_text())
+        except OSError as e:
+            raise ValueError(f"cannot read {config_path}: {e.strerror or e}") from None
+    checkpoint = CheckpointManager(directory).latest()
+    if checkpoint is None:
+        raise ValueError(f"--checkpoint-dir: no checkpoint in {directory}")
+    meta = checkpoint.meta
+    if meta.get("config_hash") not in (None, cfg.hash()):
+        raise ValueError(
+            f"--checkpoint-dir: {checkpoint.path.name} was written with config {str(meta['config_hash'])[:12]}, "
+            f"but the config read has hash {cfg.hash()[:12]}"
+        )
+    owned = [int(s) for s in meta.get("shards", [])]
+    model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+    apply_ownership(model, owned, _frozen_dtype(checkpoint.tensors, cfg.swarm.num_shards, owned))
+    expected = model.state_dict()
+    wrong = [k for k, v in checkpoint.tensors.items() if k in expected and v.dtype != expected[k].dtype]
+    if wrong:
+        raise ValueError(f"--checkpoint-dir: {checkpoint.path.name} stores {wrong[0]} in an unexpected dtype")
+    try:
+        model.load_state_dict(checkpoint.tensors, strict=True)
+    except RuntimeError as e:
+        reason = str(e).strip().splitlines()[0]
+        raise ValueError(
+            f"--checkpoint-dir: {checkpoint.path.name} does not fit the config: {reason}"
+        ) from None
+    provenance = {
+        "source": "checkpoint",
+        "checkpoint": checkpoint.path.name,
+        "step": checkpoint.step,
+        "round": meta.get("round"),
+        "peer_id": meta.get("peer_id"),
+        "own_shards": owned,
+    }
+    return cfg, {k: v.detach().clone() for k, v in dense_state_dict(model).items()}, provenance
+
+
+def _frozen_dtype(tensors: dict[str, torch.Tensor], num_shards: int, owned: list[int]) -> str:
+    import torch
+
+    names = {torch.int8: "int8", torch.bfloat16: "bf16", torch.float32: "fp32"}
+    found = {
+        tensors[key].dtype
+        for shard in range(num_shards)
+        if shard not in owned and (key := f"model.layers.0.mlp.shards.{shard}.gate_up") in tensors
+    }
+    if len(found) > 1 or not found <= set(names):
+        raise ValueError(f"--checkpoint-dir: frozen experts are stored in {sorted(map(str, found))}")
+    return names[found.pop()] if found else "fp32"
+
+
+def plan_downloads(
+    nodes: dict[str, NodeInfo], num_shards: int, allow_copies: bool = False
+) -> dict[str, list[tuple[str, str]]]:
+    """For every part of the model ("shared", "shard:<j>"), the (peer, part to request) to try, best first.
+
+    Only nodes that serve state (training or averaging, reachable directly or through a relay) count; the most advanced come
+    first. A shard comes from its holders; with `allow_copies`, a shard without a live holder comes from the
+    frozen copy that every node keeps ("copy:<j>"), which is as old as that node's last refresh.
+    """
+    servers = sorted(
+        (n for n in nodes.values() if n.state in ACTIVE_STATES and relay.serves_state(n)),
+        key=lambda n: (-n.round, -n.step, n.peer_id),
+    )
+    if not servers:
+        raise ValueError(
+            "no live node of the swarm serves its state (all are joining, leaving or unreachable client-mode)"
+        )
+    plan = {"shared": [(n.peer_id, "shared") for n in servers]}
+    orphans = []
+    for shard in range(num_shards):
+        holders = [(n.peer_id, f"shard:{shard}") for n in servers if shard in n.shards]
+        if not holders:
+            orphans.append(shard)
+            holders = [(n.peer_id, f"copy:{shard}") for n in servers] if allow_copies else []
+        plan[f"shard:{shard}"] = holders
+    if orphans and not allow_copies:
+        listed = ", ".join(map(str, orphans))
+        raise ValueError(
+            f"shard{'s' if len(orphans) > 1 else ''} {listed} of {num_shards} "
+            f"{'have' if len(orphans) > 1 else 'has'} no live holder; "
+            "pass --allow-copies to take the frozen copies that other nodes keep"
+        )
+    if orphans:
+        logger.warning(f"shards {orphans} have no live holder: exporting other nodes' frozen copies")
+    return plan
+
+
+def fetch_swarm_weights(
+    peers: list[str], run_id: str, allow_copies: bool = False, timeout: float = 60.0, swarm_key=None
+) -> tuple[SpesConfig, dict[str, torch.Tensor], dict]:
+    """The swarm config and the latest global weights (our names, fp32) assembled from live nodes; `swarm_key`
+    (a `SwarmKey`) for a private swarm."""
+    import torch
+    from hivemind.p2p import PeerID
+
+    from spes_node.aio import LoopThread
+    from spes_node.config import SpesConfig
+    from spes_node.model.moe import MoEForCausalLM
+    from spes_node.model.ownership import shard_tensors, shared_parameters
+    from spes_node.swarm import records
+    from spes_node.swarm.client import open_client_dht
+    from spes_node.swarm.transfer import TransferError, download_part
+
+    dht = open_client_dht(peers, timeout, swarm_key)
+    loop, p2p = LoopThread("spes-export"), None
+    try:
+        record = records.fetch_config(dht, run_id)
+        if record is None:
+            raise ValueError(f"--run-id: no swarm '{run_id}' found at the given peers")
+        cfg = SpesConfig.from_json(record.config_json)
+        nodes = records.fetch_nodes(dht, run_id, cfg.swarm.num_shards)
+        plan = plan_downloads(nodes, cfg.swarm.num_shards, allow_copies)
+        with torch.device("meta"):
+            skeleton = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+        expected = {"shared": {k: v.shape for k, v in shared_parameters(skeleton).items()}}
+        for shard in range(cfg.swarm.num_shards):
+            expected[f"shard:{shard}"] = {k: v.shape for k, v in shard_tensors(skeleton, shard).items()}
+        p2p = loop.run(dht.replicate_p2p())
+        weights: dict[str, torch.Tensor] = {}
+        sources = {}
+        for part, candidates in plan.items():
+            errors = []
+            for peer, request in candidates:
+                try:
+                    got = loop.run(
+                        download_part(
+                            p2p, PeerID.from_base58(peer), run_id, record.config_hash, request, expected[part],
+                            timeout=timeout, circuits=relay.circuits_of(peer, nodes[peer].maddrs),
+                            swarm_key=swarm_key,
+                        )
+                    )  # fmt: skip
+                except TransferError as e:
+                    logger.warning(f"{request} from {peer} failed: {e}")
+                    errors.append(str(e))
+                    continue
+                weights.update(got.tensors)
+                sources[part] = {"peer_id": peer, "part": request, "round": got.round}
+                break
+            else:
+                raise ValueError(
+                    f"could not download {part} from any of its {len(candidates)} live holders"
+                    + (f" (last error: {errors[-1]})" if errors else "")
+                )
+    finally:
+        if p2p is not None:
+            try:
+                loop.run(p2p.shutdown(), timeout=5)
+            except Exception as e:
+                logger.debug(f"p2p shutdown: {e}")
+        loop.stop()
+        dht.shutdown()
+    rounds = sorted({s["round"] for s in sources.values()})
+    if len(rounds) > 1:
+        logger.warning(f"the parts come from different rounds {rounds}: the swarm is between syncs")
+    provenance = {"source": "swarm", "run_id": run_id, "config_hash": record.config_hash, "parts": sources}
+    return cfg, weights, provenance
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+# ---------------------------------------------------------------------------------------------- command

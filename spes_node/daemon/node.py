@@ -1,0 +1,748 @@
+"""The spes-node daemon: startup (DHT, config, checkpoint, shard, state download), the training loop, shutdown.
+
+The loop reads like the method: H local steps, then one `sync()` (see `SpesRound`), then a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hivemind
+import torch
+from hivemind.dht.crypto import RSASignatureValidator
+
+from spes_node import __version__
+from spes_node.config import SpesConfig
+from spes_node.daemon.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
+from spes_node.daemon.data import TokenBatcher, validation_batches
+from spes_node.daemon.metrics import NodeMetrics
+from spes_node.daemon.placement import assign_joiners, data_part
+from spes_node.daemon.round import SpesRound
+from spes_node.daemon.trainer import Trainer
+from spes_node.devices import resolve_device
+from spes_node.errors import SpesError
+from spes_node.files import write_text_atomic
+from spes_node.model.moe import MoEForCausalLM
+from spes_node.model.ownership import apply_ownership
+from spes_node.model.tokenizer import load_tokenizer
+from spes_node.procs import NodeDHT, kill_tree
+from spes_node.swarm import records, relay
+from spes_node.swarm.identity import load_or_create_identity
+from spes_node.swarm.progress import should_catch_up
+from spes_node.swarm.swarm_key import SwarmKey
+
+logger = logging.getLogger(__name__)
+
+CONFIG_EXPIRATION_S = 3600.0
+CONFIG_REPUBLISH_S = 600.0
+SHUTDOWN_S = 12.0
+"""A stopping node exits within this (plus the final checkpoint's write)."""
+NETWORK_SHUTDOWN_S = 6.0
+"""Of `SHUTDOWN_S`, what is kept for stopping the averagers and the DHT after the record is withdrawn."""
+
+
+class NodeError(SpesError):
+    """A problem the user can fix; the CLI prints it as one line."""
+
+
+@dataclass
+class NodeOptions:
+    """What may differ between the nodes of one swarm (everything else is in `SpesConfig`)."""
+
+    peers: list[str] = field(default_factory=list)
+    run_id: str = "spes"
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    announce_maddrs: list[str] = field(default_factory=list)
+    identity: Path | None = None
+    shard: int | None = None
+    data: str | None = None
+    checkpoint_dir: Path = Path("checkpoints")
+    device: str = "auto"
+    max_rounds: int | None = None
+    metrics_port: int | None = None
+    public_name: str = ""
+    client_mode: bool = False
+    relays: list[str] = field(default_factory=list)
+    """Peers to hold circuit relay reservations on (`spes_node.swarm.relay`)."""
+    join_timeout: float = 30.0
+    wait_peers: int = 1
+    init_from: Path | None = None
+    swarm_key: SwarmKey | None = None
+    config_hash: str | None = None
+    """The anchor: join only a swarm whose config has this hash (--config-hash)."""
+
+
+@dataclass
+class NodeStatus:
+    """What the node reports about itself: its DHT record, its metrics and its log lines."""
+
+    state: str = "joining"
+    round: int = 0
+    tokens: int = 0
+    tokens_per_s: float = 0.0
+    loss: float = float("nan")
+    loss_history: list[float] = field(default_factory=list)
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+    bytes_received: dict[str, int] = field(default_factory=dict)
+
+    def add_bytes(self, kind: str, sent: int, received: int) -> None:
+        self.bytes_sent[kind] = self.bytes_sent.get(kind, 0) + sent
+        self.bytes_received[kind] = self.bytes_received.get(kind, 0) + received
+
+
+class Node:
+    def __init__(self, cfg: SpesConfig | None, opts: NodeOptions):
+        self.cfg, self.opts = cfg, opts
+        self.status = NodeStatus()
+        self.stop_event = threading.Event()
+        self.rounds_done = 0
+        self.steps_into_round = 0
+        self.tokens_since_sync = 0
+        self.round_losses: list[float] = []
+        self._heartbeat: threading.Thread | None = None
+        self.dht: hivemind.DHT | None = None
+        self.sync: SpesRound | None = None
+        self.first_loss: float | None = None
+        self.join_seconds = 0.0
+        self.round_reports: list[dict] = []
+        self._saved_step: tuple[int, int] | None = None
+        self._resume_rng: dict | None = None
+        # set by the startup phases, in this order
+        self.validator: RSASignatureValidator | None = None
+        self.peer_id = ""
+        self.visible_maddrs: list[str] = []
+        self._swarm_args = ""
+        self._logged_config_hash: str | None = None
+        self._config_created_at: float | None = None
+        self.config_hash = ""
+        self.device: torch.device | None = None
+        self.model: MoEForCausalLM | None = None
+        self.checkpoints: CheckpointManager | None = None
+        self.shard: int | None = None
+        self.batcher: TokenBatcher | None = None
+        self.data_part: tuple[int, int] | None = None
+        self.val_batches: list | None = None
+        self.trainer: Trainer | None = None
+        self.metrics: NodeMetrics | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def run(self) -> None:
+        try:
+            self.startup()
+            self.train()
+        finally:
+            self.shutdown()
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum, _frame):
+            if self.stop_event.is_set():
+                logger.warning("second signal: exiting now")
+                os._exit(128 + signum)
+            logger.info(f"{signal.Signals(signum).name}: finishing cleanly (send again to exit at once)")
+            self.stop_event.set()
+
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
+
+    def startup(self) -> None:
+        """The phases of joining, each one step further from this machine towards the swarm."""
+        identity_path = self._prepare_local_files()
+        self._join_dht(identity_path)
+        checkpoint = self._load_checkpoint()
+        nodes = self._take_shard(checkpoint)
+        self._build_model_and_data(checkpoint, nodes)
+        self._start_round(checkpoint, nodes)
+        self._become_ready()
+
+    def _prepare_local_files(self) -> Path:
+        """The checkpoint directory (usable, or one clear error now) and the identity key; returns its path."""
+        from spes_node.daemon.checkpoint import os_reason, prepare_directory
+
+        opts = self.opts
+        prepare_directory(opts.checkpoint_dir, replaced=("config.json", "summary.json"))
+        identity_path = opts.identity or opts.checkpoint_dir / "identity.key"
+        try:
+            key = load_or_create_identity(identity_path)
+        except OSError as e:
+            raise NodeError(f"cannot create the identity file {identity_path}: {os_reason(e)}") from None
+        self.validator = RSASignatureValidator(key)
+        return identity_path
+
+    def _join_dht(self, identity_path: Path) -> None:
+        """Start the DHT and agree on the swarm's config (anchored, see `_agree_on_config`)."""
+        self.dht = self._start_dht(str(identity_path))
+        self.peer_id = self.dht.peer_id.to_base58()
+        self.cfg = self._agree_on_config()
+        self.config_hash = self.cfg.hash()
+        self._log_swarm_commands(self.config_hash)
+        write_text_atomic(self.opts.checkpoint_dir / "config.json", self.cfg.to_json())
+
+    def _load_checkpoint(self):
+        """The newest intact checkpoint of this run, or None."""
+        self.checkpoints = CheckpointManager(self.opts.checkpoint_dir, keep=self.cfg.train.keep_checkpoints)
+        try:
+            checkpoint = self.checkpoints.latest()
+        except CheckpointError as e:
+            raise NodeError(str(e)) from None
+        if checkpoint is not None and checkpoint.meta.get("config_hash") != self.config_hash:
+            raise NodeError(
+                f"checkpoint dir {self.opts.checkpoint_dir} holds a run with another config "
+                f"(hash {str(checkpoint.meta.get('config_hash'))[:12]}); use another --checkpoint-dir"
+            )
+        return checkpoint
+
+    def _take_shard(self, checkpoint) -> dict:
+        """Choose the shard (the checkpoint's, --shard, or by placement), announce it and start the heartbeat;
+        returns the other nodes' records as read then."""
+        opts, num_shards = self.opts, self.cfg.swarm.num_shards
+        if checkpoint is not None:
+            shard = int(checkpoint.meta["shards"][0])
+        elif opts.shard is not None:
+            shard = opts.shard
+        else:
+            shard = self._choose_shard()
+        nodes = records.fetch_nodes(self.dht, opts.run_id, num_shards)
+        nodes.pop(self.peer_id, None)
+        if not 0 <= shard < num_shards:
+            raise NodeError(f"--shard: {shard} is out of range [0, {num_shards})")
+        self.shard = shard
+        self.publish_record()  # at once, so that nodes choosing right after us count our shard
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="spes-heartbeat", daemon=True)
+        self._heartbeat.start()
+        return nodes
+
+    def _build_model_and_data(self, checkpoint, nodes: dict) -> None:
+        """The model with this node's ownership, its data part, the trainer; the checkpoint's state if resuming."""
+        opts, cfg = self.opts, self.cfg
+        self.device = resolve_device(opts.device)
+        torch.manual_seed(cfg.train.seed)
+        self.model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+        if opts.init_from is not None:
+            from spes_node.model.hf_checkpoint import load_hf_weights
+
+            load_hf_weights(self.model, opts.init_from)
+            logger.info(f"initial weights from {opts.init_from}")
+        apply_ownership(self.model, [self.shard], cfg.swarm.frozen_dtype)
+        self.model.to(self.device)
+
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        spec = opts.data or cfg.data.source
+        # a restarted node keeps its part (and so its place in the data) unless another node took it meanwhile
+        resumed_part = checkpoint.meta.get("data_part") if checkpoint is not None else None
+        part, num_parts = data_part(
+            nodes, self.peer_id, current=int(resumed_part[0]) if resumed_part else None
+        )
+        self.batcher = TokenBatcher(
+            spec,
+            tokenizer,
+            cfg.train.seq_len,
+            cfg.train.micro_batch_size,
+            part=part,
+            num_parts=num_parts,
+            seed=cfg.train.seed,
+            val_fraction=cfg.data.val_fraction,
+        )
+        self.data_part = (part, num_parts)
+        self.val_batches = validation_batches(
+            spec,
+            tokenizer,
+            cfg.train.seq_len,
+            cfg.train.micro_batch_size,
+            cfg.train.eval_batches,
+            val_fraction=cfg.data.val_fraction,
+        )
+        self.trainer = Trainer(cfg, self.model, self.batcher, self.device)
+        if checkpoint is not None:
+            self._resume(checkpoint)
+
+    def _start_round(self, checkpoint, nodes: dict) -> None:
+        """Serve our state and take the swarm's: a new node downloads everything; a resumed node behind the swarm
+        catches up, its own shard included (its stale shard would otherwise pull its replicas back)."""
+        self.sync = SpesRound(self)
+        self.sync.start()
+        if checkpoint is not None:
+            self._restore_outer(checkpoint)
+        live = [n.round for n in nodes.values() if n.state in records.ACTIVE_STATES]
+        behind = should_catch_up(self.status.round, live, slack=0)
+        if checkpoint is None:
+            # also at round 0: the swarm may have started from --init-from weights
+            self.sync.download_swarm_state(nodes, include_own=True)
+        elif behind is not None:
+            resumed_round = self.status.round
+            self.sync.download_swarm_state(nodes, include_own=True, min_round=behind)
+            if self.status.round > resumed_round:
+                self.save_checkpoint()
+                logger.info(
+                    f"caught up from round {resumed_round} to the swarm's round {self.status.round} "
+                    f"(checkpoint at step {self.trainer.step})"
+                )
+
+    def _become_ready(self) -> None:
+        """Announce training, wait for --wait-peers, settle the data part, then the first step may run."""
+        self.status.state = "training"
+        self.publish_record()
+        self._wait_for_peers()
+        # replicas that started together may have taken the same data part; settle it before the first step
+        # (after a round it would cost the mover the time to re-read its data while the others match)
+        self.sync.settle_data_part()
+        if self._resume_rng is not None:
+            set_rng_state(self._resume_rng)  # last, so that nothing in startup draws from the restored state
+        logger.info(
+            f"node {self.peer_id} training shard {self.shard} ({self.cfg.name}, round {self.status.round}, "
+            f"data part {self.data_part[0]}/{self.data_part[1]}, device {self.device})"
+        )
+        self.metrics = NodeMetrics(self.opts.metrics_port)
+        self.metrics.update(self.status, None, step=self.trainer.step)
+
+    def _wait_for_peers(self) -> None:
+        """With --wait-peers N, hold the first step until N nodes (this one included) are ready to train."""
+        if self.opts.wait_peers <= 1:
+            return
+        deadline = time.monotonic() + self.opts.join_timeout * 4
+        while not self.stop_event.is_set():
+            nodes = records.fetch_nodes(self.dht, self.opts.run_id, self.cfg.swarm.num_shards)
+            ready = [n for n in nodes.values() if n.state in records.ACTIVE_STATES]
+            if len(ready) >= self.opts.wait_peers:
+                return
+            if time.monotonic() > deadline:
+                raise NodeError(f"--wait-peers: only {len(ready)} of {self.opts.wait_peers} nodes showed up")
+            self.stop_event.wait(0.5)
+
+    def _choose_shard(self) -> int:
+        """Announce ourselves as joining, let simultaneous joiners appear, then take the neediest shard."""
+        run_id, num_shards = self.opts.run_id, self.cfg.swarm.num_shards
+        self.shard = None
+        records.publish_node(
+            self.dht,
+            run_id,
+            self._joining_info(),
+            self.validator,
+            expiration_s=3 * self.cfg.swarm.heartbeat_s,
+        )
+        time.sleep(min(2.0, self.cfg.swarm.heartbeat_s))
+        nodes = records.fetch_nodes(self.dht, run_id, num_shards)
+        joiners = [p for p, n in nodes.items() if n.state == "joining" and not n.shards] + [self.peer_id]
+        return assign_joiners(nodes, joiners, num_shards)[self.peer_id]
+
+    def _joining_info(self) -> records.NodeInfo:
+        return records.NodeInfo(
+            peer_id=self.peer_id,
+            shards=[],
+            state="joining",
+            public_name=self.opts.public_name,
+            client_mode=self.opts.client_mode,
+        )
+
+    def _start_dht(self, identity_path: str) -> hivemind.DHT:
+        opts = self.opts
+        try:
+            dht = NodeDHT(
+                initial_peers=opts.peers or None,
+                host_maddrs=opts.host_maddrs,
+                announce_maddrs=opts.announce_maddrs or None,
+                identity_path=identity_path,
+                client_mode=opts.client_mode,
+                record_validators=records.record_validators(self.validator),
+                authorizer=opts.swarm_key.authorizer() if opts.swarm_key else None,
+                start=True,
+                startup_timeout=opts.join_timeout,
+                **relay.dht_kwargs(opts.relays),
+            )
+        except Exception as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise NodeError(
+                f"cannot start or reach the DHT ({', '.join(opts.peers) or 'no peers'}): {reason}"
+            ) from None
+        if not opts.client_mode:
+            maddrs = [str(m) for m in dht.get_visible_maddrs()]
+            self.visible_maddrs = maddrs
+        else:
+            self.visible_maddrs = []
+        # complete commands, so that a pasted one finds this swarm (others reach a client-mode node's swarm through
+        # the peers it joined by); a private swarm's key is never printed
+        if peers := " ".join(f"--peers {m}" for m in (self.visible_maddrs or opts.peers)):
+            swarm = f"{peers} --run-id {opts.run_id}"
+            swarm += " --swarm-key-file YOUR_SWARM_KEY_FILE" if opts.swarm_key else ""
+            self._swarm_args = swarm
+            self._log_swarm_commands(self.cfg.hash() if self.cfg is not None else opts.config_hash)
+        if opts.relays:
+            circuits = relay.circuit_maddrs(opts.relays, dht.peer_id.to_base58())
+            logger.info(f"reachable through {len(circuits)} relay(s): {', '.join(circuits)}")
+            self.visible_maddrs = [*circuits, *self.visible_maddrs][: records.MAX_MADDRS]
+        return dht
+
+    def _log_swarm_commands(self, config_hash: str | None) -> None:
+        """Log the complete commands that join and watch this swarm, with the config hash that anchors a joiner
+        (--config-hash) once it is known; logged again when the config is agreed if the hash was not known yet."""
+        swarm, logged = self._swarm_args, self._logged_config_hash
+        if not swarm or (config_hash is not None and config_hash == logged):
+            return
+        if config_hash:
+            swarm += f" --config-hash {config_hash}"
+        self._logged_config_hash = config_hash
+        logger.info(f"to join this swarm: spes-node join {swarm}")
+        logger.info(f"to watch it: spes-node status {swarm}")
+
+    def _agree_on_config(self) -> SpesConfig:
+        """The swarm config, anchored: the node takes only the config whose hash (recomputed from its JSON) is the
+        anchor: --preset/--config, else --config-hash, else the config of its own checkpoint. Without an anchor it
+        takes the config only if every published copy agrees, with a warning; counting copies decides nothing."""
+        opts, cfg = self.opts, self.cfg
+        saved = self._checkpoint_config_hash()
+        if opts.config_hash and cfg is not None and cfg.hash() != opts.config_hash:
+            raise NodeError(
+                f"--config-hash {opts.config_hash[:12]} is not the hash of our config ({cfg.hash()[:12]})"
+            )
+        if opts.config_hash and saved and saved != opts.config_hash:
+            raise NodeError(
+                f"--config-hash {opts.config_hash[:12]} is not the config of the checkpoint in {opts.checkpoint_dir} "
+                f"({saved[:12]}); use another --checkpoint-dir"
+            )
+        if cfg is not None:
+            anchor, source = cfg.hash(), "--preset/--config"
+        elif opts.config_hash:
+            anchor, source = opts.config_hash, "--config-hash"
+        else:
+            anchor, source = saved, "the checkpoint"
+
+        def settled(found: dict) -> bool:
+            # a node that brought its config founds the swarm if there is none; others wait for theirs to show up
+            return cfg is not None or (anchor in found if anchor else bool(found))
+
+        deadline = time.monotonic() + (opts.join_timeout if opts.peers else 0)
+        configs = records.fetch_configs(self.dht, opts.run_id)
+        while opts.peers and not settled(configs) and time.monotonic() < deadline:
+            time.sleep(1.0)
+            configs = records.fetch_configs(self.dht, opts.run_id)
+        seen = ", ".join(h[:12] for h in configs)
+        if anchor is None:
+            if not configs:
+                from spes_node.daemon.status import no_swarm_message
+
+                raise NodeError(no_swarm_message(self.dht, opts.run_id))
+            if len(configs) > 1:
+                raise NodeError(str(records.ConfigConflict(opts.run_id, list(configs))))
+            record = next(iter(configs.values()))
+            logger.warning(
+                f"swarm '{opts.run_id}' runs config {record.config_hash[:12]}, taken unanchored (every published "
+                f"copy agrees, but any peer can publish one): pass --config-hash {record.config_hash} to be sure"
+            )
+            cfg = SpesConfig.from_json(record.config_json)
+        elif anchor in configs:
+            record = configs[anchor]
+            swarm_cfg = SpesConfig.from_json(record.config_json)
+            if swarm_cfg.hash() != anchor:
+                raise NodeError(
+                    f"swarm '{opts.run_id}' config {anchor[:12]} reads as {swarm_cfg.hash()[:12]} with this version "
+                    f"of spes-node ({__version__}); run the founder's version"
+                )
+            cfg = swarm_cfg
+        elif configs:
+            raise NodeError(
+                f"config mismatch: swarm '{opts.run_id}' runs config {seen} but ours ({source}) is {anchor[:12]}; "
+                + (
+                    "join without --preset/--config, with --config-hash, to adopt the swarm's"
+                    if cfg is not None
+                    else "check the --config-hash the founder printed"
+                )
+            )
+        elif cfg is None:
+            from spes_node.daemon.status import no_swarm_message
+
+            raise NodeError(no_swarm_message(self.dht, opts.run_id))
+        else:
+            record = None
+            logger.info(f"founding swarm '{opts.run_id}' (config {cfg.hash()[:12]})")
+        self._config_created_at = record.created_at if record is not None else None
+        self.cfg = cfg
+        self._publish_config()
+        return cfg
+
+    def _checkpoint_config_hash(self) -> str | None:
+        """The config hash in the meta of this node's newest checkpoint, if it has one (the checkpoint itself is
+        verified when it is loaded, after the config is agreed)."""
+        from spes_node.daemon.checkpoint import META_FILE
+
+        try:
+            paths = CheckpointManager(self.opts.checkpoint_dir).list()
+        except CheckpointError:
+            return None
+        for path in reversed(paths):
+            try:
+                return records.check_config_hash(
+                    json.loads((path / META_FILE).read_text())["meta"]["config_hash"]
+                )
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                continue
+        return None
+
+    def _restore_outer(self, checkpoint) -> None:
+        """The outer optimiser's state (Nesterov momentum), saved beside the inner one."""
+        outer = (checkpoint.optimizer or {}).get("outer")
+        if outer:
+            self.sync.load_outer_state_dict(outer)
+
+    def _resume(self, checkpoint) -> None:
+        meta = checkpoint.meta
+        self.model.load_state_dict({k: v for k, v in checkpoint.tensors.items()}, strict=True)
+        self.trainer.set_ownership([int(s) for s in meta["shards"]])
+        if checkpoint.optimizer:
+            self.trainer.optimizer = self.trainer._build_optimizer(
+                {name: state for name, state in checkpoint.optimizer["by_name"].items()}
+            )
+        self.trainer.step = int(meta["step"])
+        self.status.round = int(meta["round"])
+        self.status.tokens = int(meta.get("tokens", 0))
+        self.status.loss_history = list(meta.get("loss_history", []))
+        self.round_losses = [float(x) for x in meta.get("round_losses", [])]
+        self.steps_into_round = int(meta.get("steps_into_round", 0))
+        self.tokens_since_sync = int(meta.get("tokens_since_sync", 0))
+        saved_part = meta.get("data_part")
+        if saved_part and saved_part[0] == self.data_part[0] and meta.get("data_state") is not None:
+            self.batcher.load_state_dict(meta["data_state"])
+            # nodes came or went meanwhile: the same part, read narrower or wider from where it was
+            self.batcher.set_part(*self.data_part)
+        self._resume_rng = meta.get("rng")
+        logger.info(
+            f"resumed from {checkpoint.path.name}: round {self.status.round}, step {self.trainer.step}"
+        )
+
+    def shutdown(self) -> None:
+        """Leave within `SHUTDOWN_S`: checkpoint, summary, withdraw the record, stop the networking.
+
+        Only the checkpoint is local; every step that talks to the DHT or p2pd is bounded, so that a node whose
+        helpers died first (a signal to the whole cgroup) still exits in time."""
+        self.stop_event.set()
+        deadline = time.monotonic() + SHUTDOWN_S
+        leaving = self.dht is not None and self.sync is not None
+        if leaving:
+            self.status.state = "leaving"
+            try:
+                self.save_checkpoint()
+            except Exception as e:
+                logger.error(f"final checkpoint failed: {e}")
+            self.write_summary()
+            if self.dht.is_alive():
+                _bounded(
+                    lambda: records.withdraw_node(self.dht, self.opts.run_id, self.peer_id, self.validator),
+                    deadline - time.monotonic() - NETWORK_SHUTDOWN_S,
+                    "withdraw the node record",
+                )
+            else:
+                logger.warning("the DHT process is gone: the node record expires by itself")
+        if self.sync is not None:
+            _bounded(self.sync.shutdown, max(1.0, deadline - time.monotonic() - 2.0), "stop averaging")
+        if self.dht is not None:
+            _bounded(self.dht.shutdown, max(1.0, deadline - time.monotonic()), "stop the DHT")
+        # a helper that did not stop when asked (hung, or stopped) would hold the exit: multiprocessing joins it
+        helpers = [self.dht, *(self.sync.helper_processes() if self.sync is not None else [])]
+        for helper in helpers:
+            if helper is not None and helper.is_alive():
+                logger.warning(
+                    f"killing helper process {helper.pid} ({type(helper).__name__}), which did not stop"
+                )
+                kill_tree(helper.pid)
+
+    # ------------------------------------------------------------------ training
+
+    def train(self) -> None:
+        H = self.cfg.swarm.sync_steps
+        window_tokens, window_start = 0, time.perf_counter()
+        while not self.stop_event.is_set():
+            if self.opts.max_rounds is not None and self.rounds_done >= self.opts.max_rounds:
+                break
+            self.status.state = "training"
+            while self.steps_into_round < H and not self.stop_event.is_set():
+                self.sync.apply_pending()
+                if self.sync.round_ready():
+                    self._complete_round()
+                stats = self.trainer.train_step()
+                self.steps_into_round += 1
+                self.tokens_since_sync += stats.tokens
+                self.status.tokens += stats.tokens
+                self.round_losses.append(stats.ce_loss)
+                self.status.loss = stats.ce_loss
+                if self.first_loss is None:
+                    self.first_loss = stats.ce_loss
+                window_tokens += stats.tokens
+                if self.trainer.step % self.cfg.train.log_every == 0:
+                    elapsed = time.perf_counter() - window_start
+                    self.status.tokens_per_s = window_tokens / max(elapsed, 1e-9)
+                    window_tokens, window_start = 0, time.perf_counter()
+                    logger.info(
+                        f"step {self.trainer.step} round {self.status.round} loss {stats.ce_loss:.4f} "
+                        f"lr {stats.lr:.2e} grad_norm {stats.grad_norm:.2f} tokens/s {self.status.tokens_per_s:.0f}"
+                    )
+                    self.metrics.update(self.status, self.sync.last_report, step=self.trainer.step)
+                if (
+                    self.cfg.train.checkpoint_every
+                    and self.trainer.step % self.cfg.train.checkpoint_every == 0
+                ):
+                    self.save_checkpoint()
+            if self.stop_event.is_set():
+                break
+            if self.sync.round_in_flight():
+                self._complete_round()
+            last = self.opts.max_rounds is not None and self.rounds_done + 1 >= self.opts.max_rounds
+            overlap = self.cfg.swarm.overlap and not last
+            self.sync.begin_round(overlap=overlap)
+            self.steps_into_round = 0
+            self.tokens_since_sync = 0
+            if not overlap:
+                self._complete_round()
+        if self.sync.round_in_flight():
+            self._complete_round()
+        if self.sync.finish_pending():
+            self._saved_step = None
+
+    def _complete_round(self) -> None:
+        self.sync.complete_round()
+        self.metrics.update(self.status, self.sync.last_report, step=self.trainer.step)
+        self.round_reports.append(self.sync.last_report)
+        self.rounds_done += 1
+        self.save_checkpoint()
+
+    def end_round_loss(self) -> float:
+        loss = sum(self.round_losses) / len(self.round_losses) if self.round_losses else float("nan")
+        self.round_losses = []
+        self.status.loss_history = (self.status.loss_history + [loss])[-64:]
+        return loss
+
+    def save_checkpoint(self) -> None:
+        if self._saved_step == (self.trainer.step, self.status.round):
+            return
+        meta = {
+            "run_id": self.opts.run_id,
+            "peer_id": self.peer_id,
+            "config_hash": self.config_hash,
+            "round": self.status.round,
+            "step": self.trainer.step,
+            "steps_into_round": self.steps_into_round,
+            "tokens_since_sync": self.tokens_since_sync,
+            "tokens": self.status.tokens,
+            "shards": [self.shard],
+            "data_part": list(self.data_part),
+            "data_state": self.batcher.state_dict(),
+            "loss_history": self.status.loss_history,
+            "round_losses": self.round_losses,
+            "rng": rng_state(),
+        }
+        tensors = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        try:
+            self.checkpoints.save(
+                self.trainer.step,
+                tensors,
+                meta,
+                {"by_name": self.trainer.optimizer_state_by_name(), "outer": self.sync.outer_state_dict()},
+            )
+        except CheckpointError as e:
+            # a full disk or a directory gone read-only: the previous checkpoint stays intact (writes go to a
+            # temporary directory first); the next checkpoint tries again
+            going_on = "the node is leaving" if self.stop_event.is_set() else "training goes on"
+            try:
+                kept = "the previous checkpoint is kept" if self.checkpoints.list() else "no checkpoint yet"
+            except CheckpointError:
+                kept = "the checkpoint directory cannot be read"
+            logger.error(f"checkpoint of step {self.trainer.step} not written ({e}); {kept} and {going_on}")
+            return
+        self._saved_step = (self.trainer.step, self.status.round)
+
+    def write_summary(self) -> None:
+        """A small JSON beside the checkpoints: what `simulate` and the benchmarks read after the node exits."""
+        summary = {
+            "peer_id": self.peer_id,
+            "shard": self.shard,
+            "round": self.status.round,
+            "rounds_done": self.rounds_done,
+            "step": self.trainer.step,
+            "tokens": self.status.tokens,
+            "tokens_per_s": self.status.tokens_per_s,
+            "loss_history": self.status.loss_history,
+            "first_loss": self.first_loss,
+            "last_loss": self.status.loss,
+            "bytes_sent": self.status.bytes_sent,
+            "bytes_received": self.status.bytes_received,
+            "rounds": self.round_reports,
+            "join_seconds": self.join_seconds,
+        }
+        write_text_atomic(
+            self.opts.checkpoint_dir / "summary.json", json.dumps(summary, indent=1, default=float)
+        )
+
+    # ------------------------------------------------------------------ record
+
+    def node_info(self) -> records.NodeInfo:
+        return records.NodeInfo(
+            peer_id=self.peer_id,
+            shards=[self.shard] if self.shard is not None else [],
+            round=self.status.round,
+            step=self.trainer.step if self.trainer is not None else 0,
+            tokens=self.status.tokens,
+            tokens_per_s=self.status.tokens_per_s,
+            loss=self.status.loss if self.status.loss == self.status.loss else 0.0,
+            state=self.status.state,
+            version=__version__,
+            public_name=self.opts.public_name,
+            maddrs=self.visible_maddrs,
+            client_mode=self.opts.client_mode,
+            updated_at=0.0,
+            expires_at=0.0,
+            loss_history=[x for x in self.status.loss_history if x == x],
+            bytes_sent=sum(self.status.bytes_sent.values()),
+            bytes_received=sum(self.status.bytes_received.values()),
+            data_part=self.data_part[0] if self.data_part is not None else None,
+        )
+
+    def publish_record(self) -> None:
+        records.publish_node(
+            self.dht,
+            self.opts.run_id,
+            self.node_info(),
+            self.validator,
+            expiration_s=3 * self.cfg.swarm.heartbeat_s,
+        )
+
+    def _heartbeat_loop(self) -> None:
+        last_config = time.monotonic()
+        while not self.stop_event.wait(self.cfg.swarm.heartbeat_s):
+            try:
+                self.publish_record()
+                if time.monotonic() - last_config > CONFIG_REPUBLISH_S:
+                    self._publish_config()
+                    last_config = time.monotonic()
+            except Exception as e:
+                logger.warning(f"heartbeat failed: {e}")
+
+    def _publish_config(self) -> None:
+        """Every node keeps the swarm config alive in the DHT, so it outlives the founder."""
+        records.publish_config(
+            self.dht, self.opts.run_id, self.cfg.to_json(), self.cfg.hash(), self.validator,
+            expiration_s=CONFIG_EXPIRATION_S, created_at=self._config_created_at,
+        )  # fmt: skip
+
+
+def _bounded(fn, seconds: float, what: str) -> None:
+    """Run `fn` in a daemon thread for at most `seconds`; a call that hangs (a dead DHT) is left behind."""
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except Exception as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=target, name=f"spes-shutdown-{what}", daemon=True)
+    thread.start()
+    thread.join(max(0.0, seconds))
+    if thread.is_alive():
+        logger.warning(f"could not {what} within {seconds:.0f}s; going on")
+    elif errors:
+        logger.warning(f"could not {what}: {errors[0]}")

@@ -1,0 +1,1 @@
+"""The swarm plumbing: DHT records, identities and keys, state transfer, averaging, relays."""

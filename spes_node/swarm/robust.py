@@ -1,0 +1,601 @@
+"""Robust averaging: what a peer sends is checked before it is used, and no single peer drags the result far.
+
+hivemind's butterfly all-reduce splits the averaged vector into parts; peer i reduces part i for the whole group
+and sends every sender back (result - that sender's part). Peers are trusted in two places, and both are replaced:
+
+- as a **reducer**, we aggregate the parts that every sender streams to us (`RobustPartReducer`);
+- as a **sender**, we add to our weights whatever a reducer returns (`CheckedPartContainer`).
+
+**Checks.** A part must have the expected shape, a floating dtype and finite values, come with a finite
+non-negative weight, and lie within `max_distance_ratio` times the reference norm of our own part (the reference
+is our part's norm, or the group's lower-median part norm if larger, so that one huge sender cannot stretch it).
+A result from a reducer must be finite, of our part's shape, and move our part by at most twice that bound (an
+honest reducer's result is within the bound of its own part, and so was ours). A part or result that fails is
+dropped, its sender is reported, and the node bans it for `BAN_SECONDS` (`BanList`): when we lead a group it is
+refused at matchmaking; when it is in our group anyway its parts get weight 0 and its reductions are not used
+(we keep our own values for that part). The gathered metadata is checked too: each member's entry must decode,
+name a known mode and carry a valid swarm-key tag (`swarm_key.py`); bandwidth hints are not used (all None), so
+no member can claim a larger share of the reduction. A member that fails is treated as a client (no share) and
+ignored. These rules depend only on what the whole group received, so honest members still agree on the
+partition.
+
+**Aggregation: centered clipping** (Karimireddy, He and Jaggi, 2021), one step around our own part c:
+
+    result = c + sum_i w_i clip(x_i - c, tau) / sum_i w_i,    clip(v, tau) = v min(1, tau / |v|),
+
+with tau the median of the distances |x_i - c| (our own 0 included; never below `min_clip_ratio` times the
+reference norm) and each weight capped at `weight_cap` times the group's lower-median weight. Why this rule:
+
+- groups are small: a shard's replicas are 2-4 peers. A coordinate-wise median of 2 values is their mean, and of
+  3-4 it throws away most of the honest information every round; a trimmed mean must cut at least one value on
+  each side, which leaves one or two of four and biases honest averaging all the time. Centered clipping leaves
+  honest peers alone (their distances are at most tau) and costs nothing when nobody misbehaves.
+- its center is a point the reducer trusts: its own weights, which started the round from the same average as
+  everyone's and are H local steps away from the honest mean, so one step suffices (no iterations).
+- breakdown: with f bad senders among n and f < n/2, tau is the distance of an honest peer (our 0 counts), so
+  each bad peer moves the result by at most w/W tau, about the spread of honest replicas. With n = 2 no rule can
+  tell who is right: the validation bound limits the damage (at most `max_distance_ratio` times our norm, times
+  the bad peer's weight share, per round), and the swarm key keeps strangers out of such groups.
+- cost: O(n d) per part (distances and one weighted sum) like the plain mean; a median needs a sort per
+  coordinate, O(n d log n).
+
+A part is reduced once, by its reducer, and every member receives that result, so replicas stay identical
+whatever the rule; the rule only decides how far one peer can pull them.
+
+Fault injection for tests: `SPES_FAULT=nan|inf|huge` (read by `inject_fault` only) makes a node contribute NaN,
+infinite or huge-norm tensors to every all-reduce.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any, AsyncIterator  # noqa: UP035 (hivemind reads `typing` hints to find streaming RPCs)
+
+import hivemind.averaging.averager
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.averaging.partition import (
+    AllreduceException,
+    BannedException,
+    TensorPartContainer,
+    TensorPartReducer,
+)
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.timed_storage import get_dht_time
+
+from spes_node.procs import bind_to_parent
+from spes_node.swarm.swarm_key import SwarmKey
+
+logger = logging.getLogger(__name__)
+
+FAULT_ENV = "SPES_FAULT"
+FAULTS = ("nan", "inf", "huge")
+BAN_SECONDS = 3600.0
+MAX_BANS = 4096
+_TINY = 1e-12
+_MODES = (AveragingMode.NODE.value, AveragingMode.CLIENT.value)
+
+
+@dataclass(frozen=True)
+class RobustPolicy:
+    """How suspicious a reducer is of what its group sends."""
+
+    max_distance_ratio: float = 4.0
+    """A part farther than this times the reference norm from our own part is rejected."""
+    weight_cap: float = 2.0
+    """A sender's weight counts at most this times the group's lower-median weight."""
+    min_clip_ratio: float = 1e-3
+    """The clipping radius never falls below this times the reference norm."""
+    max_weight: float = math.inf
+    """No sender's weight counts for more than this (what the config lets a node train in one round)."""
+
+
+@dataclass
+class Aggregate:
+    result: torch.Tensor
+    rejected: dict[int, str]
+    """Index of each rejected part -> why."""
+
+
+def check_part(part: Any, shape: torch.Size) -> str | None:
+    """Why `part` cannot be used as a tensor of `shape`, or None."""
+    if not isinstance(part, torch.Tensor):
+        return f"a {type(part).__name__}, not a tensor"
+    if part.shape != shape:
+        return f"shape {tuple(part.shape)}, expected {tuple(shape)}"
+    if not part.dtype.is_floating_point:
+        return f"dtype {part.dtype}"
+    if not bool(torch.isfinite(part).all()):
+        return "non-finite values"
+    return None
+
+
+def _check_weight(weight: Any) -> str | None:
+    if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+        return f"weight {weight!r}"
+    return None
+
+
+def _lower_median(values: torch.Tensor) -> float:
+    return float(values.sort().values[(len(values) - 1) // 2])
+
+
+def robust_mean(
+    parts: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    shape: torch.Size,
+    own: int | None = None,
+    policy: RobustPolicy = RobustPolicy(),
+) -> Aggregate:
+    """Centered-clipping mean of `parts` around `parts[own]` (around their coordinate-wise median without one)."""
+    rejected: dict[int, str] = {}
+    valid = []
+    for i, (part, weight) in enumerate(zip(parts, weights)):
+        reason = check_part(part, shape) or _check_weight(weight)
+        if reason is None:
+            valid.append(i)
+        else:
+            rejected[i] = reason
+    if not valid:
+        own_part = parts[own] if own is not None else None
+        fallback = own_part if isinstance(own_part, torch.Tensor) else torch.zeros(shape)
+        return Aggregate(fallback.float().reshape(shape), rejected)
+
+    xs = torch.stack([parts[i].float() for i in valid])
+    center = xs[valid.index(own)] if own in valid else xs.median(dim=0).values
+    distances = (xs - center).flatten(1).norm(dim=1)
+    reference = max(float(center.norm()), _lower_median(xs.flatten(1).norm(dim=1)))
+    limit = policy.max_distance_ratio * reference + _TINY
+    keep = [k for k, i in enumerate(valid) if i == own or float(distances[k]) <= limit]
+    for k, i in enumerate(valid):
+        if k not in keep:
+            rejected[i] = f"{float(distances[k]):.3g} away from ours, more than {limit:.3g}"
+
+    w = torch.tensor([float(weights[valid[k]]) for k in keep], dtype=torch.float64).clamp(
+        max=policy.max_weight
+    )
+    w = w.clamp(max=policy.weight_cap * _lower_median(w)) if _lower_median(w) > 0 else w
+    if float(w.sum()) <= 0:
+        return Aggregate(center.clone(), rejected)
+    kept_distances = distances[keep]
+    tau = max(float(kept_distances.sort().values[len(keep) // 2]), policy.min_clip_ratio * reference, _TINY)
+    scale = (tau / kept_distances.clamp(min=_TINY)).clamp(max=1.0).double() * w / w.sum()
+    shift = ((xs[keep] - center).flatten(1).double() * scale[:, None]).sum(0)
+    return Aggregate((center.flatten().double() + shift).float().reshape(shape), rejected)
+
+
+def check_result(delta: Any, local: torch.Tensor, policy: RobustPolicy = RobustPolicy()) -> str | None:
+    """Why a reducer's result (a delta for our part `local`) cannot be used, or None."""
+    reason = check_part(delta, local.shape)
+    if reason is not None:
+        return reason
+    bound = 2 * policy.max_distance_ratio * float(local.float().norm()) + _TINY
+    moved = float(delta.float().norm())
+    if not moved <= bound:
+        return f"its result moves our part by {moved:.3g}, more than {bound:.3g}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- hivemind parts
+
+
+class RobustPartReducer(TensorPartReducer):
+    """Collects every sender's copy of the current part and reduces them with `robust_mean`."""
+
+    def __init__(
+        self,
+        part_shapes: Sequence[torch.Size],
+        num_senders: int,
+        *,
+        local_sender: int | None,
+        policy: RobustPolicy,
+        on_reject: Callable[[int, str], None],
+    ):
+        self.local_sender, self.policy, self.on_reject = local_sender, policy, on_reject
+        self.contributions: dict[int, tuple[torch.Tensor, float]] = {}
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self):
+        super().reset_accumulators()
+        self.contributions = {}
+
+    async def accumulate_part(
+        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        # hivemind's accumulate_part, keeping each sender's part instead of adding it to a running sum
+        assert 0 <= sender_index < self.num_senders, "invalid sender index"
+        assert 0 <= part_index < self.num_parts, "invalid part index"
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:
+            await asyncio.wait(
+                {self.current_part_future, asyncio.create_task(self.finished.wait())},
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if self.finished.is_set():
+                raise AllreduceException(f"attempted to aggregate part in a finalized {type(self).__name__}")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        assert part_index == self.current_part_index
+        current_part_future = self.current_part_future
+        self.contributions[sender_index] = (tensor_part, weight)
+        self.current_part_accumulated_from += 1
+        self.check_current_part_finished()
+        return await current_part_future
+
+    def check_current_part_finished(self):
+        assert self.current_part_accumulated_from <= self.num_current_senders
+        if self.current_part_accumulated_from < self.num_current_senders:
+            return
+        senders = sorted(self.contributions)
+        aggregate = robust_mean(
+            [self.contributions[s][0] for s in senders],
+            [self.contributions[s][1] for s in senders],
+            self.part_shapes[self.current_part_index],
+            own=senders.index(self.local_sender) if self.local_sender in senders else None,
+            policy=self.policy,
+        )
+        self.current_part_future.set_result(aggregate.result)
+        self.reset_accumulators()
+        for index, reason in aggregate.rejected.items():
+            if senders[index] != self.local_sender:
+                self.on_reject(senders[index], reason)
+
+
+class CheckedPartContainer(TensorPartContainer):
+    """Checks every result a reducer returns before it is added to our weights."""
+
+    def __init__(
+        self,
+        *args,
+        local_index: int,
+        policy: RobustPolicy,
+        on_bad_result: Callable[[int, str], None],
+        **kwargs,
+    ):
+        super().__init__(*args, **kwargs)
+        self.local_index, self.policy, self.on_bad_result = local_index, policy, on_bad_result
+        self.failed_reducers: set[int] = set()
+        """Peers (indices) whose parts we kept at our local values because they did not reduce them."""
+
+    def register_failed_reducer(self, peer_index: int):
+        if self._outputs_registered_by_peer[peer_index] < self.num_parts_by_peer[peer_index]:
+            self.failed_reducers.add(peer_index)
+        super().register_failed_reducer(peer_index)
+
+    def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor):
+        inputs = self._input_parts_by_peer[peer_index]
+        if peer_index != self.local_index and part_index < len(inputs):
+            reason = check_result(part, inputs[part_index][0], self.policy)
+            if reason is not None:
+                self.on_bad_result(peer_index, reason)
+                raise AllreduceException(f"rejected a result of peer #{peer_index}: {reason}")
+        super().register_processed_part(peer_index, part_index, part)
+
+
+class RobustAllReduceRunner(AllReduceRunner):
+    """hivemind's all-reduce with a robust reducer, checked results, and `ignored` peers at weight 0."""
+
+    def __init__(
+        self,
+        *,
+        tensors: Sequence[torch.Tensor],
+        peer_fractions: tuple[float, ...],
+        policy: RobustPolicy,
+        ignored: Collection[PeerID],
+        on_reject: Callable[[PeerID, str], None],
+        **kwargs,
+    ):
+        container_kwargs = {
+            k: kwargs[k]
+            for k in ("compression", "part_size_bytes", "tensor_infos", "prefetch")
+            if k in kwargs
+        }
+        super().__init__(tensors=tensors, peer_fractions=peer_fractions, **kwargs)
+        self._on_reject = on_reject
+        self.ignored = frozenset(ignored) - {self.peer_id}
+        # hivemind's __init__ built a plain container and reducer: replace both before anything runs
+        self.tensor_part_reducer.finished.set()
+        index = self.ordered_peer_ids.index(self.peer_id)
+        self.tensor_part_container = CheckedPartContainer(
+            tensors,
+            peer_fractions,
+            return_deltas=True,
+            local_index=index,
+            policy=policy,
+            on_bad_result=self._reject_reducer,
+            **container_kwargs,
+        )
+        self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(index)
+        senders = self.sender_peer_ids
+        self.tensor_part_reducer = RobustPartReducer(
+            tuple(part.shape for part in self.parts_for_local_averaging),
+            len(senders),
+            local_sender=senders.index(self.peer_id) if self.peer_id in senders else None,
+            policy=policy,
+            on_reject=self._reject_sender,
+        )
+        for peer in self.ignored & set(self.sender_peer_ids):
+            self.banned_senders.add(peer)
+            self.tensor_part_reducer.on_sender_failed(self.sender_peer_ids.index(peer))
+
+    def _reject_sender(self, sender_index: int, reason: str) -> None:
+        peer = self.sender_peer_ids[sender_index]
+        self._on_reject(peer, f"sent a bad part: {reason}")
+        if peer not in self.banned_senders:
+            self.banned_senders.add(peer)
+            self.tensor_part_reducer.on_sender_failed(sender_index)
+
+    def _reject_reducer(self, peer_index: int, reason: str) -> None:
+        self._on_reject(self.ordered_peer_ids[peer_index], f"returned a bad result: {reason}")
+
+    async def _communicate_with_peer(self, peer_id: PeerID):
+        if peer_id in self.ignored:
+            self.tensor_part_container.register_failed_reducer(self.ordered_peer_ids.index(peer_id))
+            return
+        await super()._communicate_with_peer(peer_id)
+
+
+# ---------------------------------------------------------------------------------------------- the averager
+
+
+@dataclass
+class GroupOutcome:
+    """What a robust step returns: the trusted members' gathered data and the peers caught misbehaving."""
+
+    gathered: dict[str, Any]
+    """Peer id (base58) -> the `gather` it sent, for members whose data was used (ourselves included)."""
+    rejected: dict[str, str]
+    """Peer id (base58) -> why it was rejected in this step."""
+    failed_reducers: int = 0
+    """Members whose part of the vector kept our local values (they failed, were banned or sent a bad result)."""
+    failed_fraction: float = 0.0
+    """The share of our vector that kept local values for that reason."""
+
+
+def open_gathered(entry: bytes, peer_id: bytes, prefix: str, swarm_key: SwarmKey | None) -> tuple[int, Any]:
+    """(mode, gather) of a member's gathered entry ([bandwidth, mode, [gather, tag]] as hivemind and
+    `RobustAverager.step` pack it); ValueError if it is malformed or, with a swarm key, lacks a valid tag."""
+    try:
+        _bandwidth, mode, user_bytes = MSGPackSerializer.loads(entry)
+        payload, tag = MSGPackSerializer.loads(user_bytes)
+    except Exception as e:
+        raise ValueError(f"malformed gathered data ({type(e).__name__})") from None
+    if mode not in _MODES:
+        raise ValueError(f"unknown averaging mode {mode!r}")
+    if swarm_key is not None and not swarm_key.check_join_tag(prefix, peer_id, tag):
+        raise ValueError("no valid swarm key tag")
+    return mode, payload
+
+
+class RobustAverager(DecentralizedAverager):
+    """A DecentralizedAverager that checks its groupmates (see the module docstring) and refuses banned peers.
+
+    `gather` values travel with this peer's swarm-key tag; `step(...).result()` is a `GroupOutcome`.
+    Bans are set from the parent process with `set_banned` before a step.
+    """
+
+    def run(self) -> None:
+        bind_to_parent()  # the averager process dies with the node's process, even when that one is SIGKILLed
+        # hivemind builds its matchmaking from this module-level name; in this (child) process, ours
+        hivemind.averaging.averager.Matchmaking = BanAwareMatchmaking
+        super().run()
+
+    def __init__(
+        self,
+        averaged_tensors: Sequence[torch.Tensor],
+        dht,
+        *,
+        prefix: str,
+        swarm_key: SwarmKey | None = None,
+        policy: RobustPolicy = RobustPolicy(),
+        start: bool = True,
+        **kwargs,
+    ):
+        super().__init__(averaged_tensors, dht, prefix=prefix, start=False, **kwargs)
+        self.policy, self.swarm_key = policy, swarm_key
+        self._banned: frozenset[PeerID] = frozenset()
+        self._tag = swarm_key.join_tag(prefix, self.peer_id.to_bytes()) if swarm_key is not None else b""
+        if start:
+            self.run_in_background(await_ready=True)
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        # hivemind sets SIGINT to "ignore" in the calling process before it forks the averager; the node handles
+        # SIGINT (Ctrl-C) itself, so its handler comes back once the child has started
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.getsignal(signal.SIGINT) if main else None
+        try:
+            super().run_in_background(await_ready=await_ready, timeout=timeout)
+        finally:
+            if main and previous is not None:
+                signal.signal(signal.SIGINT, previous)
+
+    def step(self, gather: Any = None, **kwargs):
+        return super().step(gather=[gather, self._tag], **kwargs)
+
+    def set_banned(self, peers: Collection[str]) -> None:
+        """Peers (base58) to refuse and ignore from the next step on."""
+        self._outer_pipe.send(("_set_banned", [sorted(peers)], {}))
+
+    async def _set_banned(self, peers: list[str]) -> None:
+        self._banned = frozenset(PeerID.from_base58(peer) for peer in peers)
+        if isinstance(getattr(self, "_matchmaking", None), BanAwareMatchmaking):
+            self._matchmaking.banned = self._banned
+
+    def _open(self, peer: PeerID, entry: bytes) -> tuple[int, Any]:
+        return open_gathered(entry, peer.to_bytes(), self.prefix, self.swarm_key)
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        reason = "banned" if context.remote_id in self._banned else None
+        if reason is None:
+            try:
+                self._open(context.remote_id, request.gather)
+            except ValueError as e:
+                reason = str(e)
+        if reason is not None:
+            logger.debug(f"refusing {context.remote_id} in group {self.prefix}: {reason}")
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def _aggregate_with_group(
+        self, group_info: GroupInfo, min_vector_size: int, **kwargs
+    ) -> GroupOutcome:
+        rejected: dict[PeerID, str] = {}
+        payloads: dict[PeerID, Any] = {}
+        entries = []
+        for peer, entry in zip(group_info.peer_ids, group_info.gathered):
+            try:
+                mode, payloads[peer] = self._open(peer, entry)
+            except ValueError as e:
+                mode = AveragingMode.CLIENT.value
+                if peer != self.peer_id:
+                    rejected[peer] = str(e)
+            entries.append(self.serializer.dumps([None, mode, self.serializer.dumps(None)]))
+        ignored = frozenset(rejected) | (self._banned & frozenset(group_info.peer_ids))
+        sanitized = GroupInfo(group_info.group_id, group_info.peer_ids, tuple(entries))
+        failures: dict[str, float] = {}
+        await super()._aggregate_with_group(
+            sanitized,
+            min_vector_size,
+            ignored=ignored,
+            on_reject=rejected.setdefault,
+            failures=failures,
+            **kwargs,
+        )
+        return GroupOutcome(
+            failed_reducers=int(failures.get("reducers", 0)),
+            failed_fraction=float(failures.get("fraction", 0.0)),
+            gathered={
+                peer.to_base58(): payloads[peer]
+                for peer in group_info.peer_ids
+                if peer in payloads and peer not in ignored and peer not in rejected
+            },
+            rejected={peer.to_base58(): reason for peer, reason in rejected.items()},
+        )
+
+    async def _run_allreduce_inplace_(
+        self,
+        tensors: Sequence[torch.Tensor],
+        group_info: GroupInfo,
+        group_id: bytes | None = None,
+        *,
+        ignored: Collection[PeerID] = (),
+        on_reject: Callable[[PeerID, str], Any] = lambda peer, reason: None,
+        failures: dict[str, float] | None = None,
+        **kwargs,
+    ):
+        # hivemind's _run_allreduce_inplace_ with RobustAllReduceRunner (this averager is never auxiliary)
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = RobustAllReduceRunner(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            policy=self.policy,
+            ignored=ignored,
+            on_reject=on_reject,
+            **kwargs,
+        )
+        assert group_id in self._running_groups, f"group {group_id} was not registered"
+        self._running_groups[group_id].set_result(runner)
+        logger.debug(f"all-reduce of {self.prefix} with {len(group_info.peer_ids)} peers begins")
+        async for tensor, update in azip(as_aiter(*tensors), runner):
+            tensor.add_(update, alpha=self._averaging_alpha)
+            self.last_updated = get_dht_time()
+            self._state_updated.set()
+        if failures is not None:
+            container = runner.tensor_part_container
+            failures["reducers"] = len(container.failed_reducers)
+            failures["fraction"] = container.failed_size / max(1, sum(t.numel() for t in tensors))
+
+
+class BanAwareMatchmaking(Matchmaking):
+    """hivemind's matchmaking that never asks a banned peer to lead our group (as a leader we refuse them in
+    `RobustAverager.rpc_join_group`): a node that caught a peer cheating meets it in neither role."""
+
+    banned: frozenset[PeerID] = frozenset()
+
+    async def _request_join_group(self, leader: PeerID):
+        if leader in self.banned:
+            logger.debug(f"not joining the group of banned peer {leader}")
+            return None
+        return await super()._request_join_group(leader)
+
+
+# ---------------------------------------------------------------------------------------------- bans and faults
+
+
+@dataclass(frozen=True)
+class Ban:
+    reason: str
+    until: float
+
+
+class BanList:
+    """Peers caught sending bad data, each ignored until its ban expires; shared by a node's averagers."""
+
+    def __init__(self, seconds: float = BAN_SECONDS, max_peers: int = MAX_BANS):
+        self.seconds, self.max_peers = seconds, max_peers
+        self._bans: dict[str, Ban] = {}
+        self._lock = threading.Lock()
+
+    def ban(self, peer: str, reason: str) -> bool:
+        """Ban (or re-ban) `peer`; True if it was not banned before."""
+        with self._lock:
+            self._prune()
+            new = peer not in self._bans
+            if new and len(self._bans) >= self.max_peers:
+                del self._bans[min(self._bans, key=lambda p: self._bans[p].until)]
+            self._bans[peer] = Ban(reason, time.monotonic() + self.seconds)
+            return new
+
+    def active(self) -> dict[str, str]:
+        """Banned peer -> reason."""
+        with self._lock:
+            self._prune()
+            return {peer: ban.reason for peer, ban in self._bans.items()}
+
+    def __contains__(self, peer: object) -> bool:
+        return peer in self.active()
+
+    def _prune(self) -> None:
+        now = time.monotonic()
+        for peer in [p for p, ban in self._bans.items() if ban.until <= now]:
+            del self._bans[peer]
+
+
+def inject_fault(tensors: Sequence[torch.Tensor]) -> None:
+    """Test-only: with SPES_FAULT=nan|inf|huge, corrupt what this node contributes to an all-reduce."""
+    fault = os.environ.get(FAULT_ENV)
+    if not fault:
+        return
+    if fault not in FAULTS:
+        raise ValueError(f"{FAULT_ENV}: expected one of {', '.join(FAULTS)}, got {fault!r}")
+    logger.warning(f"fault injection: contributing {fault} tensors to the all-reduce")
+    with torch.no_grad():
+        for tensor in tensors:
+            if fault == "nan":
+                tensor.fill_(float("nan"))
+            elif fault == "inf":
+                tensor.fill_(float("inf"))
+            else:
+                tensor.normal_().mul_(1e4)

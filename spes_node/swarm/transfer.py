@@ -1,0 +1,261 @@
+"""Serving and downloading parts of the model state over hivemind's P2P.
+
+A node serves snapshots of what it holds authoritative copies of: the shared parameters and its own shards, as
+they were after its last sync. Joiners download everything from live peers; nodes refresh their frozen experts
+from the shards' holders. Tensors travel compressed with hivemind's codecs and are validated on arrival
+(names, shapes, finite values) before anyone uses them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from hivemind.compression import CompressionBase, deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+from spes_node.proto.state_pb2 import StateRequest
+from spes_node.swarm import relay
+from spes_node.swarm.swarm_key import SwarmKey
+
+logger = logging.getLogger(__name__)
+
+HANDLER_PREFIX = "spes_state"
+MAX_METADATA_BYTES = 1 << 20
+
+
+class TransferError(Exception):
+    """A download failed or what arrived was not acceptable."""
+
+
+@dataclass
+class Snapshot:
+    round: int
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass
+class Download:
+    round: int
+    tensors: dict[str, torch.Tensor]
+    nbytes: int
+    seconds: float
+
+
+class StateServer:
+    """Answers `StateRequest`s from snapshots that the training loop publishes after each sync.
+
+    Lives in the node's asyncio loop; `publish` may be called from any thread through `publish_threadsafe`.
+    """
+
+    def __init__(
+        self,
+        p2p: P2P,
+        run_id: str,
+        config_hash: str,
+        compression: CompressionBase,
+        swarm_key: SwarmKey | None = None,
+    ):
+        self.p2p, self.config_hash, self.compression = p2p, config_hash, compression
+        self.handler_name = f"{HANDLER_PREFIX}.{run_id}"
+        self.swarm_key, self.tag_prefix = swarm_key, state_tag_prefix(run_id)
+        self.snapshots: dict[str, Snapshot] = {}
+        self.bytes_sent = 0
+        self._updated: asyncio.Condition | None = None
+
+    async def start(self) -> None:
+        self._updated = asyncio.Condition()
+        await self.p2p.add_protobuf_handler(self.handler_name, self._handle, StateRequest, stream_output=True)
+
+    async def stop(self) -> None:
+        await self.p2p.remove_protobuf_handler(self.handler_name)
+
+    async def publish(self, part: str, snapshot: Snapshot) -> None:
+        async with self._updated:
+            self.snapshots[part] = snapshot
+            self._updated.notify_all()
+
+    async def withdraw(self, part: str) -> None:
+        async with self._updated:
+            self.snapshots.pop(part, None)
+            self._updated.notify_all()
+
+    async def _handle(
+        self, request: StateRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if request.config_hash != self.config_hash:
+            logger.warning(f"refusing state request from {context.remote_id}: config hash mismatch")
+            return
+        if self.swarm_key is not None and not self.swarm_key.check_join_tag(
+            self.tag_prefix, context.remote_id.to_bytes(), request.tag
+        ):
+            logger.warning(f"refusing state request from {context.remote_id}: no valid swarm key tag")
+            return
+        snapshot = await self._wait_for(request.part, request.min_round, timeout=10.0)
+        if snapshot is None:
+            return
+        names = sorted(snapshot.tensors)
+        metadata = json.dumps({"round": snapshot.round, "names": names}).encode()
+        first = True
+        for name in names:
+            serialized = serialize_torch_tensor(snapshot.tensors[name], self.compression.compression_type)
+            for chunk in split_for_streaming(serialized):
+                self.bytes_sent += len(chunk.buffer)
+                yield averaging_pb2.DownloadData(tensor_part=chunk, metadata=metadata if first else b"")
+                first = False
+
+    async def _wait_for(self, part: str, min_round: int, timeout: float) -> Snapshot | None:
+        """The snapshot of `part` once it is of round `min_round` or later; None if it is not within `timeout`
+        (an older snapshot is never served in its place)."""
+        deadline = time.monotonic() + timeout
+        async with self._updated:
+            while True:
+                snapshot = self.snapshots.get(part)
+                if snapshot is not None and snapshot.round >= min_round:
+                    return snapshot
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                try:
+                    await asyncio.wait_for(self._updated.wait(), remaining)
+                except asyncio.TimeoutError:
+                    snapshot = self.snapshots.get(part)
+                    return snapshot if snapshot is not None and snapshot.round >= min_round else None
+
+
+def state_tag_prefix(run_id: str) -> str:
+    return f"state.{run_id}"
+
+
+async def download_part(
+    p2p: P2P,
+    peer: PeerID,
+    run_id: str,
+    config_hash: str,
+    part: str,
+    expected: dict[str, torch.Size],
+    min_round: int = 0,
+    timeout: float = 60.0,
+    circuits: Sequence[str] = (),
+    swarm_key: SwarmKey | None = None,
+) -> Download:
+    """Download one part from one peer and validate it against the expected names and shapes.
+
+    `circuits`: relay addresses of a peer that takes no direct connections (`relay.circuits_of` its record).
+    `swarm_key`: in a private swarm, proves to the server that we hold the key.
+    """
+    start = time.perf_counter()
+    request = StateRequest(part=part, config_hash=config_hash, min_round=min_round)
+    if swarm_key is not None:
+        request.tag = swarm_key.join_tag(state_tag_prefix(run_id), p2p.peer_id.to_bytes())
+    handler = f"{HANDLER_PREFIX}.{run_id}"
+    deadline = time.monotonic() + timeout
+    nbytes, attempt = 0, 0
+    while True:
+        attempt += 1
+        try:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise asyncio.TimeoutError()
+            metadata, tensors, got = await asyncio.wait_for(
+                _receive(p2p, peer, handler, request, expected, circuits), remaining
+            )
+            nbytes += got
+            break
+        except _Truncated as e:
+            nbytes += e.nbytes
+            # the stream closed before the end (hivemind reports a closed connection as the end of the stream);
+            # the next attempt opens a new stream
+            if attempt >= DOWNLOAD_ATTEMPTS:
+                raise TransferError(f"{part} from {peer}: {e} ({attempt} attempts)") from None
+            logger.info(f"{part} from {peer}: {e}; retrying")
+        except TransferError:
+            raise
+        except Exception as e:
+            raise TransferError(f"{part} from {peer}: {type(e).__name__}: {e}") from None
+    if metadata is None:
+        raise TransferError(f"{part} from {peer}: peer has no such state")
+    return Download(
+        round=_validate_round(metadata),
+        tensors=validate_tensors(metadata.get("names"), tensors, expected, source=f"{part} from {peer}"),
+        nbytes=nbytes,
+        seconds=time.perf_counter() - start,
+    )
+
+
+DOWNLOAD_ATTEMPTS = 3
+"""Streams that end early are retried this many times in all (within the download's timeout)."""
+
+
+class _Truncated(Exception):
+    def __init__(self, message: str, nbytes: int):
+        super().__init__(message)
+        self.nbytes = nbytes
+
+
+async def _receive(p2p: P2P, peer: PeerID, handler: str, request: StateRequest, expected, circuits):
+    """One attempt: (metadata, tensors, bytes received); raises `_Truncated` if the stream ends too early."""
+    await relay.dial(p2p, peer, circuits)
+    metadata: dict | None = None
+    tensors: list[torch.Tensor] = []
+    parts: list = []
+    nbytes = 0
+
+    def finish_tensor() -> None:
+        if parts[0].chunks and len(parts) != parts[0].chunks:
+            raise _Truncated(
+                f"stream ended within a tensor ({len(parts)} of {parts[0].chunks} chunks)", nbytes
+            )
+        tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        parts.clear()
+
+    stream = await p2p.iterate_protobuf_handler(peer, handler, request, averaging_pb2.DownloadData)
+    async for message in stream:
+        if message.metadata and metadata is None:
+            if len(message.metadata) > MAX_METADATA_BYTES:
+                raise TransferError("metadata too large")
+            metadata = json.loads(message.metadata)
+        if message.tensor_part.dtype and parts:
+            finish_tensor()
+        nbytes += len(message.tensor_part.buffer)
+        parts.append(message.tensor_part)
+        if len(tensors) > len(expected):
+            raise TransferError("more tensors than expected")
+    if parts:
+        finish_tensor()
+    if metadata is not None and len(tensors) < len(expected):
+        raise _Truncated(f"stream ended after {len(tensors)} of {len(expected)} tensors", nbytes)
+    return metadata, tensors, nbytes
+
+
+def validate_tensors(
+    names, tensors: list[torch.Tensor], expected: dict[str, torch.Size], source: str
+) -> dict[str, torch.Tensor]:
+    """Accept exactly the expected names, each with the expected shape, finite, as fp32."""
+    if not isinstance(names, list) or sorted(names) != sorted(expected) or len(names) != len(tensors):
+        raise TransferError(f"{source}: unexpected tensor names")
+    out = {}
+    for name, tensor in zip(names, tensors):
+        if tensor.shape != expected[name]:
+            raise TransferError(
+                f"{source}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}"
+            )
+        tensor = tensor.float()
+        if not torch.isfinite(tensor).all():
+            raise TransferError(f"{source}: {name} has non-finite values")
+        out[name] = tensor
+    return out
+
+
+def _validate_round(metadata: dict) -> int:
+    value = metadata.get("round")
+    if not isinstance(value, int) or value < 0 or value > 1 << 40:
+        raise TransferError("invalid round in metadata")
+    return value
