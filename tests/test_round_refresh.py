@@ -1,0 +1,84 @@
+"""A refresh of frozen experts that outlives its timeout is cancelled, and what it would deliver later is never
+applied (no network: the download is a coroutine that never finishes in time)."""
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+from spes_node.config import load_preset
+from spes_node.daemon.round import SpesRound
+
+
+def test_a_refresh_past_its_timeout_is_cancelled_and_never_applied():
+    cfg = load_preset("tiny").replace(swarm={"averaging_timeout": 1.0, "num_shards": 2})
+    node = SimpleNamespace(cfg=cfg, stop_event=threading.Event(), shard=0, model=None)
+    spes_round = SpesRound(node)
+    delivered = threading.Event()
+
+    async def slow_refresh():
+        await asyncio.sleep(3.0)  # past the 2 s timeout
+        spes_round._pending[1] = {"late": None}
+        delivered.set()
+
+    try:
+        spes_round._refresh = spes_round.loop.submit(slow_refresh())
+        future = spes_round._refresh
+        started = time.monotonic()
+        assert spes_round.finish_pending() == 0
+        waited = time.monotonic() - started
+        assert waited < 10, waited  # its timeout is averaging_timeout x num_shards = 2 s
+        assert future.cancelled() or future.done()
+        assert spes_round._refresh is None
+        assert not delivered.wait(4.0), "the late refresh went on and delivered"
+        assert not spes_round._pending
+    finally:
+        spes_round.loop.stop()
+
+
+def test_a_stopping_node_does_not_wait_for_its_refresh():
+    cfg = load_preset("tiny").replace(swarm={"averaging_timeout": 60.0})
+    node = SimpleNamespace(cfg=cfg, stop_event=threading.Event(), shard=0, model=None)
+    spes_round = SpesRound(node)
+    try:
+        spes_round._refresh = spes_round.loop.submit(asyncio.sleep(300))
+        node.stop_event.set()
+        started = time.monotonic()
+        spes_round.finish_pending()
+        assert time.monotonic() - started < 10  # not the 240 s its timeout allows
+    finally:
+        spes_round.loop.stop()
+
+
+def test_the_nesterov_outer_state_goes_through_a_checkpoint(tmp_path):
+    import torch
+
+    from spes_node.daemon.checkpoint import CheckpointManager
+    from spes_node.daemon.round import apply_outer
+    from spes_node.model.moe import MoEForCausalLM
+    from spes_node.model.ownership import apply_ownership, shard_tensors, shared_parameters
+
+    cfg = load_preset("tiny").replace(swarm={"outer_optimizer": "nesterov"})
+    model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+    apply_ownership(model, [0])
+    node = SimpleNamespace(cfg=cfg, stop_event=threading.Event(), shard=0, model=model)
+    first, second = SpesRound(node), SpesRound(node)
+    try:
+        first.shared_outer = first._outer(shared_parameters(model))
+        first.shard_outer = first._outer(shard_tensors(model, 0))
+        with torch.no_grad():
+            averaged = {k: v.detach() * 0.9 for k, v in shared_parameters(model).items()}
+        apply_outer(first.shared_outer, shared_parameters(model), None, averaged)
+        CheckpointManager(tmp_path).save(1, {}, {}, {"by_name": {}, "outer": first.outer_state_dict()})
+
+        second.shared_outer = second._outer(shared_parameters(model))
+        second.shard_outer = second._outer(shard_tensors(model, 0))
+        second.load_outer_state_dict(CheckpointManager(tmp_path).latest().optimizer["outer"])
+        for name, velocity in first.shared_outer.velocity.items():
+            assert torch.equal(second.shared_outer.velocity[name], velocity), name
+        for name, previous in first.shared_outer.previous.items():
+            assert torch.equal(second.shared_outer.previous[name], previous), name
+        assert first.shared_outer.velocity, "the outer step left no momentum to save"
+    finally:
+        first.loop.stop()
+        second.loop.stop()
