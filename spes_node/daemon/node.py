@@ -35,7 +35,7 @@ from spes_node.model.tokenizer import load_tokenizer
 from spes_node.procs import NodeDHT, kill_tree
 from spes_node.swarm import records, relay
 from spes_node.swarm.identity import load_or_create_identity
-from spes_node.swarm.progress import should_catch_up
+from spes_node.swarm.progress import ROUND_SLACK, consensus_round, should_catch_up
 from spes_node.swarm.swarm_key import SwarmKey
 
 logger = logging.getLogger(__name__)
@@ -273,8 +273,10 @@ class Node:
         live = [n.round for n in nodes.values() if n.state in records.ACTIVE_STATES]
         behind = should_catch_up(self.status.round, live, slack=0)
         if checkpoint is None:
-            # also at round 0: the swarm may have started from --init-from weights
-            self.sync.download_swarm_state(nodes, include_own=True)
+            # also at round 0: the swarm may have started from --init-from weights; the state of the round most
+            # live nodes are in (a holder one round behind would start us a round late)
+            self.sync.download_swarm_state(nodes, include_own=True, min_round=consensus_round(live) or 0)
+            self._join_mid_round()
         elif behind is not None:
             resumed_round = self.status.round
             self.sync.download_swarm_state(nodes, include_own=True, min_round=behind)
@@ -284,6 +286,30 @@ class Node:
                     f"caught up from round {resumed_round} to the swarm's round {self.status.round} "
                     f"(checkpoint at step {self.trainer.step})"
                 )
+
+    def _join_mid_round(self) -> None:
+        """Start where the swarm is within its round: a joiner that began the round from step 0 would reach the
+        sync several steps after the others and miss their groups. Its first round is shorter (and weighs less).
+
+        The records are read again: over a slow link the swarm may have finished a round during the download. One
+        round is the skew nodes tolerate (`progress.ROUND_SLACK`): the joiner then takes the swarm's round with the
+        weights of the round before, as a node that finished its round a moment late would."""
+        H = self.cfg.swarm.sync_steps
+        nodes = records.fetch_nodes(self.dht, self.opts.run_id, self.cfg.swarm.num_shards)
+        live = {p: n for p, n in nodes.items() if p != self.peer_id and n.state in records.ACTIVE_STATES}
+        target = consensus_round(n.round for n in live.values())
+        if target is not None and self.status.round < target <= self.status.round + ROUND_SLACK:
+            logger.info(f"the swarm finished round {target} during the download: joining it there")
+            self.status.round = target
+        steps = consensus_round(
+            n.step - self.status.round * H for n in live.values() if n.round == self.status.round
+        )
+        if steps is None or not 0 < steps < H:
+            steps = 0
+        self.steps_into_round = steps
+        self.trainer.step = max(self.trainer.step, self.status.round * H + steps)
+        if steps:
+            logger.info(f"joining round {self.status.round + 1} at its step {steps} of {H}, with the swarm")
 
     def _become_ready(self) -> None:
         """Announce training, wait for --wait-peers, settle the data part, then the first step may run."""
