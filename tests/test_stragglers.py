@@ -62,7 +62,8 @@ def test_a_paused_node_neither_stalls_the_other_nor_drops_out_of_its_groups(make
     )
     # round 2 of the steady node: it stops looking after its matchmaking window (twice the matchmaking time)
     # plus the pause at most (before: 2 x 3 s + the 30 s averaging timeout = 36 s, in a group of one)
-    limit = 2 * matchmaking + pause + 6.0  # 6 s of slack for a loaded machine
+    # 10 s of slack for a loaded machine: measured 6.0 s alone, 18.2 s in the full suite beside two busy loops
+    limit = 2 * matchmaking + pause + 10.0
     assert rounds[1]["seconds"] < limit, rounds
     # and the two average together again afterwards
     assert any(r["shared_group"] == 2 for r in rounds[2:]), rounds
