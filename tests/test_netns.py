@@ -120,7 +120,9 @@ def test_kill_mid_allreduce_then_a_new_node_takes_the_weak_shard(network, net_sw
     seconds_to_train = time.monotonic() - joined_at
     # a joiner whose download outlasted the swarm's round starts a little out of step; within three rounds it
     # meets the others (the survivors wait for a node expected within a round)
-    swarm.wait_for(lambda: _round(swarm, "joiner") >= joiner.round + 3, 180, "the joiner to finish three rounds")
+    swarm.wait_for(
+        lambda: _round(swarm, "joiner") >= joiner.round + 3, 180, "the joiner to finish three rounds"
+    )
     swarm.wait_for(
         lambda: replica_counts(swarm.nodes(), swarm.cfg.swarm.num_shards) == [2, 2],
         30,
