@@ -19,7 +19,8 @@ import tomllib
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"  # also reachable as configs/ at the top level
 FROZEN_DTYPES = ("fp32", "bf16", "int8")
 OUTER_OPTIMIZERS = ("average", "nesterov")
-WIRE_COMPRESSIONS = ("none", "fp16", "uint8")
+WIRE_COMPRESSIONS = ("none", "fp16", "uint8", "int8")
+AVERAGE_MODES = ("weights", "updates")
 MAX_HEARTBEAT_S = 3600.0
 """Longest heartbeat period: records expire after 3 heartbeats, so a dead node shows for up to 3 of them."""
 
@@ -124,7 +125,12 @@ class TrainConfig:
     log_every: int = 10
     """Log one line every this many steps."""
     checkpoint_every: int = 0
-    """Also checkpoint every this many steps (0: only at round ends and on exit)."""
+    """Checkpoint every this many steps (0: off); see `checkpoint_every_minutes` for round ends and exit."""
+    checkpoint_every_minutes: float = 0.0
+    """Also checkpoint every this many minutes, whichever comes first with `checkpoint_every`; when set, a round's
+    end checkpoints only when one of the two is due (0: off, and every round's end checkpoints). Always on exit."""
+    checkpoint_frozen_experts: bool = True
+    """Save the frozen experts in checkpoints; without them a resumed node downloads them from their holders."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in the backward pass instead of keeping its activations: less memory (the
     activations are the same for every node, frozen experts included), about a third more compute."""
@@ -152,6 +158,7 @@ class TrainConfig:
         _require(0 <= self.beta2 < 1, "train.beta2", "must be in [0, 1)")
         _require(self.grad_clip >= 0, "train.grad_clip", "must be >= 0")
         _require(self.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
+        _require(self.checkpoint_every_minutes >= 0, "train.checkpoint_every_minutes", "must be >= 0")
         _require(self.eval_batches >= 0, "train.eval_batches", "must be >= 0")
 
 
@@ -176,7 +183,10 @@ class SwarmConfig:
     frozen_dtype: str = "fp32"
     """Storage of frozen experts: fp32, bf16 or int8."""
     wire_compression: str = "fp16"
-    """Compression of tensors on the wire: none, fp16 or uint8."""
+    """Compression of tensors on the wire: none, fp16, uint8 (hivemind's uniform) or int8 (blockwise absmax)."""
+    average: str = "weights"
+    """What the all-reduces average: 'weights', or 'updates' (the pseudo-gradient since the last sync, with error
+    feedback of what compression drops)."""
     overlap: bool = False
     """Keep training while a round's all-reduce runs and apply its result with the local progress made meanwhile
     (false: training waits for the round, as published)."""
@@ -216,6 +226,7 @@ class SwarmConfig:
             "swarm.wire_compression",
             f"must be one of {WIRE_COMPRESSIONS}",
         )
+        _require(self.average in AVERAGE_MODES, "swarm.average", f"must be one of {AVERAGE_MODES}")
         _require(self.outer_lr > 0, "swarm.outer_lr", "must be positive")
         _require(0 <= self.outer_momentum < 1, "swarm.outer_momentum", "must be in [0, 1)")
         _require(self.matchmaking_time > 0, "swarm.matchmaking_time", "must be positive")
