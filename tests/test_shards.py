@@ -126,7 +126,8 @@ def test_simultaneous_joiners_spread_out():
     assert assigned == assign_joiners(nodes, ["w", "x", "z"], 4)
     assert set(assigned) == {"w", "x", "z"}
     after = {peer: node for peer, node in nodes.items() if node.shards}
-    after |= {peer: Node([shard]) for peer, shard in assigned.items()}
+    assert all(len(shards) == 1 for shards in assigned.values())
+    after |= {peer: Node(shards) for peer, shards in assigned.items()}
     counts = replica_counts(after, 4)
     assert min(counts) >= 1 and max(counts) - min(counts) <= 1
 
