@@ -1,285 +1,419 @@
-"""val_loss_ratio_vs_centralized: validation loss at equal total tokens, swarms versus one process with the whole batch.
+"""val_loss_ratio_vs_centralized: validation loss at equal total tokens, swarm methods versus one process.
 
-Runs (tiny preset, every swarm 4 nodes started together, the same steps per node, data parts pinned so that node i
-reads part i of 4 in every run):
-- spes: SPES with S=2 shards, 2 replicas per shard (the headline);
-- spes_r1: SPES with S=4, 1 replica per shard;
-- spes_no_merge: as spes with the expert-merging warm-up off (merge_alpha0 = 0);
-- diloco: the DiLoCo stand-in (S=1: every node trains and averages the whole model);
-- centralized: one process, one model, each step on the 4 nodes' batches concatenated (the same token streams),
-  for the same number of steps: the same total tokens.
-A swarm's model is assembled from its nodes' final checkpoints the way the swarm defines it: shared parameters
-averaged over the nodes, each shard averaged over its holders. Every model is evaluated on the same held-out
-batches (mean cross-entropy). The mean loss of each node's own final weights (its frozen copies included) is
-reported too. Training-loss curves against total tokens go to `results/loss_curves.png`.
+Every setting spends the same tokens (the same steps, the same total batch per step split over its nodes) from the
+same initial weights, three seeds each; the swarm settings are simulated in one process (`quality_sim.py`), so a
+setting's seeds differ only by the seed. Settings:
+- centralized: one model, each step on the whole batch (the streams of the 4-node settings side by side);
+- diloco: 4 nodes, each the whole model, Nesterov outer optimiser, the same H;
+- spes_4x1: SPES, 4 shards of the experts, 1 holder each (4 nodes; the reference layout, the headline);
+- spes_4x2: SPES, 4 shards, 2 holders each (8 nodes, half the per-node batch);
+- spes_4x1_no_merge: spes_4x1 without the expert-merging warm-up;
+- spes_4x1_int8: spes_4x1 with every pseudo-gradient on an emulated int8 wire (with error feedback);
+- spes_4x1_16e: spes_4x1 on the model with twice the experts, whose all-experts node does not fit the per-node
+  memory that diloco uses (equal per-node memory; measured from the tensors).
+The final global model of each run is exported as a Hugging Face checkpoint and evaluated by `spes-node eval` on
+held-out text of another kind (the repository's README and docs, prose and tables, not Python source).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import logging
+import math
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import RESULTS_DIR, LoadMonitor, emit, table, write_result
-from benchmarks.swarm import BenchSwarm, NodeRun
+from benchmarks import common
+from benchmarks.common import NODE_ENV, REPO_ROOT, LoadMonitor, emit, table
+from benchmarks.quality_sim import (
+    Setting,
+    all_experts_node_memory,
+    setting_config,
+    train_setting,
+    val_loss,
+)
 from spes_node.config import SpesConfig, load_preset
 
 logger = logging.getLogger(__name__)
 
+FIGURE = REPO_ROOT / "docs" / "quality_curves.png"
+
 SETTINGS = {
     "preset": "tiny",
-    "num_nodes": 4,
-    "steps": 200,
-    "sync_steps": 20,
-    "matchmaking_time": 2.0,
-    "heartbeat_s": 1.0,
-    "val_batches": 16,
-    "runs": ["spes", "spes_r1", "spes_no_merge", "diloco"],
-    "timeout_s": 1500,
+    "model": {},
+    "steps": 500,
+    "sync_steps": 25,
+    "total_batch": 32,
+    "data_parts": 4,
+    "merge_interval": 50,
+    "merge_horizon": 250,
+    "seeds": [0, 1, 2],
+    "val_batches": 32,
+    "curve_val_batches": 8,
+    "heldout_batches": 48,
+    "heldout": True,
+    "runs": [
+        "centralized",
+        "diloco",
+        "spes_4x1",
+        "spes_4x2",
+        "spes_4x1_no_merge",
+        "spes_4x1_int8",
+        "spes_4x1_16e",
+    ],
+    "headline": "spes_4x1",
+    "equal_memory": {"spes": "spes_4x1_16e", "diloco": "diloco"},
 }
-RUN_SWARM = {
-    "spes": {"num_shards": 2, "replication_target": 2},
-    "spes_r1": {"num_shards": 4, "replication_target": 1},
-    "spes_no_merge": {"num_shards": 2, "replication_target": 2, "merge_alpha0": 0.0},
-    "diloco": {"num_shards": 1, "replication_target": 4},
+
+SETUPS = {
+    s.name: s
+    for s in (
+        Setting("centralized", replicas=0, merge=False, description="one model, the whole batch"),
+        Setting(
+            "diloco", 1, 4, outer="nesterov", merge=False, description="4 nodes x whole model, Nesterov outer"
+        ),
+        Setting("spes_4x1", 4, 1, description="4 shards x 1 holder (4 nodes)"),
+        Setting("spes_4x2", 4, 2, description="4 shards x 2 holders (8 nodes, half batch each)"),
+        Setting("spes_4x1_no_merge", 4, 1, merge=False, description="spes_4x1 without the merge warm-up"),
+        Setting("spes_4x1_int8", 4, 1, wire="int8", description="spes_4x1, int8 pseudo-gradients + EF"),
+        Setting("spes_4x1_16e", 4, 1, num_experts=16, description="spes_4x1 with 2x the experts"),
+    )
 }
 
 
 def base_config(settings: dict) -> SpesConfig:
-    return load_preset(settings["preset"]).replace(
+    cfg = load_preset(settings["preset"])
+    return cfg.replace(
+        model=settings["model"],
         train={"total_steps": settings["steps"]},
         swarm={
             "sync_steps": settings["sync_steps"],
-            "matchmaking_time": settings["matchmaking_time"],
-            "heartbeat_s": settings["heartbeat_s"],
+            "merge_interval": settings["merge_interval"],
+            "merge_horizon": settings["merge_horizon"],
         },
     )
 
 
-def run_config(settings: dict, name: str) -> SpesConfig:
-    return base_config(settings).replace(swarm=RUN_SWARM[name])
-
-
-def validation_set(cfg: SpesConfig, batches: int) -> list[torch.Tensor]:
-    from spes_node.daemon.data import validation_batches
-    from spes_node.model.tokenizer import load_tokenizer
-
-    return validation_batches(
-        cfg.data.source,
-        load_tokenizer(cfg.data.tokenizer),
-        cfg.train.seq_len,
-        cfg.train.micro_batch_size,
-        batches,
-        val_fraction=cfg.data.val_fraction,
-    )
-
-
-@torch.no_grad()
-def val_loss(model, batches: list[torch.Tensor]) -> float:
-    """Token-weighted mean cross-entropy over the batches."""
-    model.eval()
-    total, tokens = 0.0, 0
-    for batch in batches:
-        out = model(batch[:, :-1], labels=batch[:, 1:])
-        n = batch[:, 1:].numel()
-        total += out.ce_loss.item() * n
-        tokens += n
-    return total / tokens
-
-
-def swarm_model(cfg: SpesConfig, nodes: list[NodeRun]):
-    """The swarm's model from its nodes' checkpoints: shared mean over nodes, each shard mean over its holders."""
-    from spes_node.daemon.export import load_checkpoint_weights
-    from spes_node.model.moe import MoEForCausalLM
-    from spes_node.model.ownership import load_dense_state_dict
-
-    loaded = [load_checkpoint_weights(n.directory) for n in nodes]
-    S = cfg.swarm.num_shards
-    merged: dict[str, torch.Tensor] = {}
-    names = loaded[0][1].keys()
-    for name in names:
-        if ".mlp.shards." in name:
-            shard = int(name.split(".mlp.shards.")[1].split(".")[0])
-            sources = [w for _, w, prov in loaded if shard in prov["own_shards"]]
-            if not sources:
-                raise RuntimeError(f"no node held shard {shard}")
-        else:
-            sources = [w for _, w, _ in loaded]
-        merged[name] = torch.stack([w[name] for w in sources]).mean(0)
-    model = MoEForCausalLM(cfg.model, S)
-    load_dense_state_dict(model, merged)
-    own_views = []
-    for _, weights, _ in loaded:
-        view = MoEForCausalLM(cfg.model, S)
-        load_dense_state_dict(view, weights)
-        own_views.append(view)
-    return model, own_views
-
-
-class ConcatBatcher:
-    """The nodes' batchers side by side: one centralized batch = every node's batch of the same step."""
-
-    def __init__(self, batchers):
-        self.batchers = batchers
-
-    def next_batch(self) -> torch.Tensor:
-        return torch.cat([b.next_batch() for b in self.batchers])
-
-
-def train_centralized(cfg: SpesConfig, settings: dict) -> tuple:
-    from spes_node.daemon.data import TokenBatcher
-    from spes_node.daemon.trainer import Trainer
-    from spes_node.model.moe import MoEForCausalLM
-    from spes_node.model.ownership import apply_ownership
-    from spes_node.model.tokenizer import load_tokenizer
-
-    torch.set_num_threads(1)
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    n = settings["num_nodes"]
-    batchers = [
-        TokenBatcher(
-            cfg.data.source,
-            tokenizer,
-            cfg.train.seq_len,
-            cfg.train.micro_batch_size,
-            part=i,
-            num_parts=n,
-            seed=cfg.train.seed,
-            val_fraction=cfg.data.val_fraction,
-        )
-        for i in range(n)
-    ]
-    torch.manual_seed(cfg.train.seed)
-    model = MoEForCausalLM(cfg.model, 1)
-    apply_ownership(model, [0])
-    trainer = Trainer(cfg, model, ConcatBatcher(batchers), torch.device("cpu"))
-    losses, tokens = [], 0
-    for _ in range(settings["steps"]):
-        stats = trainer.train_step()
-        losses.append(stats.ce_loss)
-        tokens += stats.tokens
-    return model, losses, tokens
-
-
-def _curve(nodes: list[NodeRun], cfg: SpesConfig) -> dict:
-    """Training loss per round (mean over nodes) against total tokens of the swarm."""
-    histories = [n.summary["loss_history"] for n in nodes]
-    rounds = min(len(h) for h in histories)
-    tokens_per_round = cfg.swarm.sync_steps * cfg.train.micro_batch_size * cfg.train.seq_len * len(nodes)
-    return {
-        "tokens": [tokens_per_round * (k + 1) for k in range(rounds)],
-        "loss": [sum(h[k] for h in histories) / len(histories) for k in range(rounds)],
+def heldout_corpus(directory: Path) -> tuple[Path, dict]:
+    """The README and docs/*.md as one document (document 0 of a source is always held out), snapshotted."""
+    files = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+    text = "\n\n".join(f.read_text() for f in files)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "docs.jsonl"
+    path.write_text(json.dumps({"text": text}) + "\n")
+    return path, {
+        "files": [str(f.relative_to(REPO_ROOT)) for f in files],
+        "bytes": len(text.encode()),
+        "sha256": hashlib.sha256(text.encode()).hexdigest(),
     }
 
 
-def plot(curves: dict[str, dict], final: dict[str, float], path: Path, title: str) -> None:
+def heldout_eval(
+    cfg: SpesConfig, weights: dict, out: Path, data: Path, batches: int, provenance: dict
+) -> dict:
+    """Export the weights as a Hugging Face checkpoint and run `spes-node eval` on it."""
+    from spes_node.model.hf_checkpoint import save_hf_checkpoint
+
+    save_hf_checkpoint(cfg, weights, out, force=True, provenance=provenance)
+    cmd = [sys.executable, "-m", "spes_node.cli", "eval", "--model", str(out), "--data", str(data)]
+    cmd += ["--batches", str(batches), "--batch-size", "8", "--device", "cpu", "--json"]
+    done = subprocess.run(
+        cmd, cwd=REPO_ROOT, capture_output=True, text=True, env={**os.environ, **NODE_ENV}, timeout=600
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"spes-node eval failed: {done.stderr.strip()[-500:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"loss": result["loss"], "tokens": result["tokens"], "batches": result["batches"]}
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
+    m = sum(values) / len(values)
+    if len(values) < 2:
+        return m, 0.0
+    return m, math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+
+
+def summarize(runs: dict[str, dict[int, dict]], settings: dict) -> dict:
+    """Per setting: mean and std of the final validation loss, of its ratio to centralized (paired by seed), of
+    the held-out loss; and how much the loss still fell over the last quarter of training."""
+    central = runs.get("centralized", {})
+    out = {}
+    for name, by_seed in runs.items():
+        seeds = sorted(by_seed)
+        finals = [by_seed[s]["val_loss"] for s in seeds]
+        entry = {"seeds": seeds}
+        entry["val_loss_mean"], entry["val_loss_std"] = mean_std(finals)
+        paired = [s for s in seeds if s in central]
+        if paired and name != "centralized":
+            ratios = [by_seed[s]["val_loss"] / central[s]["val_loss"] for s in paired]
+            entry["ratio_mean"], entry["ratio_std"] = mean_std(ratios)
+            entry["ratios"] = ratios
+        held = [by_seed[s]["heldout"]["loss"] for s in seeds if by_seed[s].get("heldout")]
+        if held:
+            entry["heldout_loss_mean"], entry["heldout_loss_std"] = mean_std(held)
+            held_central = [
+                central[s]["heldout"]["loss"] for s in seeds if s in central and central[s].get("heldout")
+            ]
+            if name != "centralized" and len(held_central) == len(held):
+                entry["heldout_ratio_mean"], entry["heldout_ratio_std"] = mean_std(
+                    [h / c for h, c in zip(held, held_central)]
+                )
+        curves = [by_seed[s]["curve"]["val_loss"] for s in seeds]
+        points = min(len(c) for c in curves)
+        if points >= 4:
+            q = points - 1 - points // 4
+            entry["last_quarter_drop"] = mean_std([c[q] - c[points - 1] for c in curves])[0]
+        out[name] = entry
+    return out
+
+
+def equal_memory(runs: dict[str, dict[int, dict]], settings: dict, all_experts: dict | None) -> dict | None:
+    names = settings["equal_memory"]
+    if names["spes"] not in runs or names["diloco"] not in runs:
+        return None
+    spes = next(iter(runs[names["spes"]].values()))["memory"]
+    diloco = next(iter(runs[names["diloco"]].values()))["memory"]
+    budget = diloco["weights"] + diloco["grads"] + diloco["optimizer"]
+    return {
+        "budget_bytes": budget,
+        "budget_is": "the diloco node's weights + gradients + AdamW state (its Nesterov state not counted)",
+        "spes_node_bytes": spes["total"],
+        "spes_fits": spes["total"] <= budget,
+        "all_experts_node_bytes": all_experts["train_state"] if all_experts else None,
+        "all_experts_fits": all_experts["train_state"] <= budget if all_experts else None,
+        "spes": names["spes"],
+        "diloco": names["diloco"],
+    }
+
+
+def plot(runs: dict[str, dict[int, dict]], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, curve in curves.items():
-        ax.plot(
-            curve["tokens"],
-            curve["loss"],
-            marker="." if name != "centralized" else None,
-            label=f"{name} (val {final[name]:.3f})",
+    fig, (ax, rx) = plt.subplots(1, 2, figsize=(12, 4.8))
+    central = runs.get("centralized", {})
+    for name, by_seed in runs.items():
+        seeds = sorted(by_seed)
+        curves = [by_seed[s]["curve"] for s in seeds]
+        points = min(len(c["val_loss"]) for c in curves)
+        tokens = curves[0]["tokens"][:points]
+        stats = [mean_std([c["val_loss"][k] for c in curves]) for k in range(points)]
+        mean = [m for m, _ in stats]
+        line = ax.plot(tokens, mean, label=f"{name} ({len(seeds)} seeds)")[0]
+        ax.fill_between(
+            tokens, [m - s for m, s in stats], [m + s for m, s in stats], color=line.get_color(), alpha=0.2
+        )
+        paired = [s for s in seeds if s in central]
+        if name == "centralized" or not paired:
+            continue
+        ratio = [
+            mean_std(
+                [by_seed[s]["curve"]["val_loss"][k] / central[s]["curve"]["val_loss"][k] for s in paired]
+            )
+            for k in range(points)
+        ]
+        rx.plot(tokens, [m for m, _ in ratio], color=line.get_color(), label=name)
+        rx.fill_between(
+            tokens, [m - s for m, s in ratio], [m + s for m, s in ratio], color=line.get_color(), alpha=0.2
         )
     ax.set_xlabel("total training tokens (all nodes)")
-    ax.set_ylabel("training cross-entropy")
+    ax.set_ylabel("validation cross-entropy (nats/byte)")
     ax.set_title(title)
-    ax.legend()
+    ax.set_ylim(top=min(ax.get_ylim()[1], 3.0))
+    ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+    rx.axhline(1.0, color="black", lw=0.8)
+    rx.axhline(1.02, color="gray", lw=0.8, ls="--")
+    rx.set_xlabel("total training tokens (all nodes)")
+    rx.set_ylabel("validation loss / centralized (same seed)")
+    rx.set_title("ratio to centralized: mean and std over seeds")
+    rx.legend(fontsize=8)
+    rx.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def run(workdir: Path, settings: dict | None = None) -> dict:
+def update_latest(results: dict) -> None:
+    """Merge the quality headline into `latest.json`, keeping every other key."""
+    path = common.RESULTS_DIR / "latest.json"
+    document = json.loads(path.read_text()) if path.is_file() else {}
+    for key in ("val_loss_ratio_vs_centralized", "val_loss_ratio_std"):
+        document[key] = results[key]
+    document["val_loss_ratios"] = {name: s.get("ratio_mean") for name, s in results["summary"].items()}
+    goal = document.get("goals", {}).get("val_loss_ratio_vs_centralized")
+    if goal is not None and results["val_loss_ratio_vs_centralized"] is not None:
+        op, target = goal["goal"].split()
+        value = results["val_loss_ratio_vs_centralized"]
+        goal["value"] = value
+        goal["met"] = value <= float(target) if op == "<=" else value >= float(target)
+    path.write_text(json.dumps(document, indent=1) + "\n")
+
+
+def run(
+    workdir: Path, settings: dict | None = None, figure: Path = FIGURE, write_latest: bool = True
+) -> dict:
+    from spes_node.daemon.data import validation_batches
+    from spes_node.model.tokenizer import load_tokenizer
+
     settings = {**SETTINGS, **(settings or {})}
-    cfg = base_config(settings)
-    rounds = settings["steps"] // settings["sync_steps"]
-    val = validation_set(cfg, settings["val_batches"])
-    runs, curves = {}, {}
-    with LoadMonitor() as load:
-        for name in settings["runs"]:
-            run_cfg = run_config(settings, name)
-            nodes = BenchSwarm(workdir / name, run_cfg, settings["num_nodes"], run_id=f"q_{name}").run(
-                rounds, timeout=settings["timeout_s"]
-            )
-            model, views = swarm_model(run_cfg, nodes)
-            runs[name] = {
-                "val_loss": val_loss(model, val),
-                "val_loss_node_views_mean": sum(val_loss(v, val) for v in views) / len(views),
-                "total_tokens": sum(n.summary["tokens"] for n in nodes),
-                "rounds": [n.summary["rounds_done"] for n in nodes],
-                "failed_allreduces": sum(
-                    len(r["report"].get("errors", [])) for n in nodes for r in n.timeline["rounds"]
-                ),
-                "data_parts_chosen_by_nodes": [n.timeline["data_part"].get("chosen") for n in nodes],
-                "config": run_cfg.to_dict(),
-            }
-            curves[name] = _curve(nodes, run_cfg)
-            emit(f"quality: {name} val loss {runs[name]['val_loss']:.4f}")
-        model, losses, tokens = train_centralized(cfg, settings)
-        H = settings["sync_steps"]
-        runs["centralized"] = {
-            "val_loss": val_loss(model, val),
-            "total_tokens": tokens,
-            "config": cfg.to_dict(),
-        }
-        per_step = tokens // settings["steps"]
-        curves["centralized"] = {
-            "tokens": [per_step * H * (k + 1) for k in range(len(losses) // H)],
-            "loss": [sum(losses[k * H : (k + 1) * H]) / H for k in range(len(losses) // H)],
-        }
-    central = runs["centralized"]["val_loss"]
-    ratios = {name: r["val_loss"] / central for name, r in runs.items() if name != "centralized"}
-    results = {
-        "val_loss_ratio_vs_centralized": ratios.get("spes"),
-        "ratios": ratios,
-        "runs": runs,
-        "curves": curves,
-        "validation": {"batches": len(val), "tokens": sum(b[:, 1:].numel() for b in val)},
-    }
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    plot(
-        curves,
-        {name: r["val_loss"] for name, r in runs.items()},
-        RESULTS_DIR / "loss_curves.png",
-        f"{settings['preset']} preset, {settings['num_nodes']} nodes: SPES vs DiLoCo stand-in vs centralized",
+    torch.set_num_threads(1)
+    base = base_config(settings)
+    tokenizer = load_tokenizer(base.data.tokenizer)
+    val = validation_batches(
+        base.data.source, tokenizer, base.train.seq_len, 8, settings["val_batches"], base.data.val_fraction
     )
+    curve_val = val[: settings["curve_val_batches"]]
+    heldout_data, heldout_info = heldout_corpus(workdir / "heldout") if settings["heldout"] else (None, None)
+    runs: dict[str, dict[int, dict]] = {}
+    configs = {}
+    started = time.time()
+    with LoadMonitor(interval=15.0) as load:
+        for seed in settings["seeds"]:
+            for name in settings["runs"]:
+                setting = SETUPS[name]
+                cfg = setting_config(base, setting, settings["total_batch"])
+                configs[name] = cfg
+                t = time.time()
+                weights, log, memory = train_setting(
+                    cfg, setting, seed, settings["steps"], curve_val, tokenizer, settings["data_parts"]
+                )
+                from spes_node.model.moe import MoEForCausalLM
+                from spes_node.model.ownership import load_dense_state_dict
+
+                model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+                load_dense_state_dict(model, weights)
+                record = {
+                    "val_loss": val_loss(model, val),
+                    "train_seconds": round(time.time() - t, 1),
+                    "tokens": log.tokens[-1],
+                    "merges": log.merges,
+                    "memory": memory,
+                    "curve": {"tokens": log.tokens, "val_loss": log.val_loss, "train_loss": log.train_loss},
+                }
+                if log.int8_relative_error:
+                    record["int8_relative_error_mean"] = sum(log.int8_relative_error) / len(
+                        log.int8_relative_error
+                    )
+                if heldout_data is not None:
+                    record["heldout"] = heldout_eval(
+                        cfg,
+                        weights,
+                        workdir / "exports" / f"{name}_seed{seed}",
+                        heldout_data,
+                        settings["heldout_batches"],
+                        {"source": "benchmarks.quality", "setting": name, "seed": seed},
+                    )
+                runs.setdefault(name, {})[seed] = record
+                emit(
+                    f"quality: seed {seed} {name}: val {record['val_loss']:.4f}"
+                    + (f", held-out {record['heldout']['loss']:.4f}" if "heldout" in record else "")
+                    + f" ({record['train_seconds']:.0f}s train, {time.time() - started:.0f}s so far)"
+                )
+                _write(settings, runs, configs, heldout_info, None, load, partial=True)
+    all_experts = None
+    spes_name = settings["equal_memory"]["spes"]
+    if spes_name in configs:
+        all_experts = all_experts_node_memory(configs[spes_name], val[0], tokenizer)
+    results = _write(settings, runs, configs, heldout_info, all_experts, load, partial=False)
+    plot(
+        runs,
+        figure,
+        f"{settings['preset']} preset, {settings['steps']} steps x {settings['total_batch']} seq, "
+        f"H={settings['sync_steps']}",
+    )
+    _print(results, settings)
+    if write_latest:
+        update_latest(results)
+    return results
+
+
+def _write(settings, runs, configs, heldout_info, all_experts, load, partial: bool) -> dict:
+    summary = summarize(runs, settings)
+    headline = summary.get(settings["headline"], {})
+    results = {
+        "val_loss_ratio_vs_centralized": headline.get("ratio_mean"),
+        "val_loss_ratio_std": headline.get("ratio_std"),
+        "headline_setting": settings["headline"],
+        "ratios": {name: s.get("ratio_mean") for name, s in summary.items() if name != "centralized"},
+        "summary": summary,
+        "equal_memory": equal_memory(runs, settings, all_experts),
+        "all_experts_node_memory": all_experts,
+        "heldout_text": heldout_info,
+        "runs": {name: {str(seed): r for seed, r in by_seed.items()} for name, by_seed in runs.items()},
+        "settings_described": {name: SETUPS[name].description for name in runs},
+        "configs": {name: cfg.to_dict() for name, cfg in configs.items()},
+        "method": "swarms simulated in one process (benchmarks/quality_sim.py); int8 wire emulated",
+        "partial": partial,
+    }
+    common.write_result("quality", settings, results, load.summary())
+    return results
+
+
+def _print(results: dict, settings: dict) -> None:
+    rows = []
+    for name, s in results["summary"].items():
+        rows.append(
+            [
+                name,
+                f"{s['val_loss_mean']:.4f} ± {s['val_loss_std']:.4f}",
+                f"{s['ratio_mean']:.4f} ± {s['ratio_std']:.4f}" if "ratio_mean" in s else "-",
+                f"{s['heldout_loss_mean']:.4f} ± {s['heldout_loss_std']:.4f}"
+                if "heldout_loss_mean" in s
+                else "-",
+                s.get("last_quarter_drop"),
+                common.mib(next(iter(results["runs"][name].values()))["memory"]["total"]),
+            ]
+        )
     emit(
         table(
-            ["run", "val loss", "ratio vs centralized", "own-view val loss", "total tokens"],
             [
-                [
-                    name,
-                    r["val_loss"],
-                    r["val_loss"] / central,
-                    r.get("val_loss_node_views_mean"),
-                    r["total_tokens"],
-                ]
-                for name, r in runs.items()
+                "setting",
+                "val loss",
+                "ratio vs centralized",
+                "held-out docs loss",
+                "drop, last 1/4",
+                "node MiB",
             ],
-            title=f"quality ({settings['preset']}, {settings['num_nodes']} nodes x {settings['steps']} steps, "
-            f"H={settings['sync_steps']}, {len(val)} validation batches)",
+            rows,
+            title=f"quality ({settings['preset']}, {settings['steps']} steps, H={settings['sync_steps']}, "
+            f"seeds {settings['seeds']})",
         )
     )
-    write_result("quality", settings, results, load.summary())
-    return results
+    eq = results["equal_memory"]
+    if eq:
+        emit(
+            f"equal memory: budget {common.mib(eq['budget_bytes']):.2f} MiB; {eq['spes']} node "
+            f"{common.mib(eq['spes_node_bytes']):.2f} MiB (fits: {eq['spes_fits']}); all-experts node of that model "
+            f"{common.mib(eq['all_experts_node_bytes'] or 0):.2f} MiB (fits: {eq['all_experts_fits']})"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="runs/benchmarks/quality")
+    parser.add_argument("--seeds", type=int, nargs="*", help="seeds (default 0 1 2)")
+    parser.add_argument("--runs", nargs="*", help=f"settings (default all: {', '.join(SETUPS)})")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = {}
+    if args.seeds:
+        overrides["seeds"] = args.seeds
+    if args.runs:
+        overrides["runs"] = args.runs
     started = time.time()
-    run(Path(args.workdir))
+    run(Path(args.workdir), overrides)
     emit(f"quality benchmark took {time.time() - started:.0f}s")
 
 
