@@ -48,12 +48,13 @@ FIGURE = REPO_ROOT / "docs" / "quality_curves.png"
 SETTINGS = {
     "preset": "tiny",
     "model": {},
-    "steps": 500,
-    "sync_steps": 25,
+    "data": {},
+    "steps": 300,
+    "sync_steps": 20,
     "total_batch": 32,
     "data_parts": 4,
-    "merge_interval": 50,
-    "merge_horizon": 250,
+    "merge_interval": 40,
+    "merge_horizon": 150,
     "seeds": [0, 1, 2],
     "val_batches": 32,
     "curve_val_batches": 8,
@@ -92,6 +93,7 @@ def base_config(settings: dict) -> SpesConfig:
     cfg = load_preset(settings["preset"])
     return cfg.replace(
         model=settings["model"],
+        data=settings["data"],
         train={"total_steps": settings["steps"]},
         swarm={
             "sync_steps": settings["sync_steps"],

@@ -128,3 +128,42 @@ def test_gpu_step_script_runs_on_cpu_with_the_tiny_preset():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "1 of 4" in out.stdout and "all" in out.stdout
+
+
+def test_quality_benchmark_runs_and_writes_its_results(tmp_path, monkeypatch):
+    from benchmarks import common, quality
+
+    corpus = tmp_path / "corpus.jsonl"
+    words = "def f(x):\n    return x + 1\n"
+    corpus.write_text("".join(json.dumps({"text": words * (i + 3)}) + "\n" for i in range(40)))
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path / "results")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "latest.json").write_text(json.dumps({"memory_ratio": 0.4}))
+    settings = {
+        "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_experts": 4, "expert_ffn": 32},
+        "data": {"source": str(corpus), "val_fraction": 0.2},
+        "steps": 4,
+        "sync_steps": 2,
+        "merge_interval": 2,
+        "merge_horizon": 4,
+        "total_batch": 8,
+        "seeds": [0, 1],
+        "val_batches": 2,
+        "curve_val_batches": 1,
+        "heldout": False,
+        "runs": ["centralized", "diloco", "spes_4x1", "spes_4x1_int8", "spes_4x1_16e"],
+    }
+    results = quality.run(tmp_path / "work", settings, figure=tmp_path / "curves.png")
+
+    written = json.loads((tmp_path / "results" / "quality.json").read_text())
+    assert written["results"]["partial"] is False
+    assert set(written["results"]["summary"]) == set(settings["runs"])
+    assert results["val_loss_ratio_vs_centralized"] == written["results"]["summary"]["spes_4x1"]["ratio_mean"]
+    assert results["val_loss_ratio_std"] > 0  # two seeds that differ
+    for name in settings["runs"]:
+        assert len(written["results"]["runs"][name]["0"]["curve"]["val_loss"]) == 2
+    assert written["results"]["runs"]["spes_4x1_int8"]["0"]["int8_relative_error_mean"] > 0
+    assert written["results"]["equal_memory"]["spes_fits"] in (True, False)
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    latest = json.loads((tmp_path / "results" / "latest.json").read_text())
+    assert latest["memory_ratio"] == 0.4 and latest["val_loss_ratio_std"] == results["val_loss_ratio_std"]
