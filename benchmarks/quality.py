@@ -323,11 +323,18 @@ def run(
                     + (f", held-out {record['heldout']['loss']:.4f}" if "heldout" in record else "")
                     + f" ({record['train_seconds']:.0f}s train, {time.time() - started:.0f}s so far)"
                 )
-                _write(settings, runs, configs, heldout_info, None, load, partial=True)
+                _write(settings, runs, configs, heldout_info, None, load.summary(), partial=True)
+    return finish(settings, runs, configs, heldout_info, load.summary(), val[0], figure, write_latest)
+
+
+def finish(
+    settings, runs, configs, heldout_info, load: dict, batch, figure: Path, write_latest: bool
+) -> dict:
+    """Summary, equal-memory check, final quality.json, curves, table and latest.json from finished runs."""
     all_experts = None
     spes_name = settings["equal_memory"]["spes"]
     if spes_name in configs:
-        all_experts = all_experts_node_memory(configs[spes_name], val[0], tokenizer)
+        all_experts = all_experts_node_memory(configs[spes_name], batch)
     results = _write(settings, runs, configs, heldout_info, all_experts, load, partial=False)
     plot(
         runs,
@@ -339,6 +346,32 @@ def run(
     if write_latest:
         update_latest(results)
     return results
+
+
+def finish_from_file(figure: Path = FIGURE, write_latest: bool = True) -> dict:
+    """`finish` over the runs that `quality.json` holds (for instance the seeds done when a run was stopped)."""
+    from spes_node.daemon.data import validation_batches
+    from spes_node.model.tokenizer import load_tokenizer
+
+    document = json.loads((common.RESULTS_DIR / "quality.json").read_text())
+    settings, saved = {**SETTINGS, **document["settings"]}, document["results"]
+    runs = {name: {int(seed): r for seed, r in by_seed.items()} for name, by_seed in saved["runs"].items()}
+    done = set.intersection(*(set(by_seed) for by_seed in runs.values()))
+    runs = {name: {seed: r for seed, r in by_seed.items() if seed in done} for name, by_seed in runs.items()}
+    settings["seeds"] = sorted(done)
+    configs = {name: SpesConfig.from_dict(cfg) for name, cfg in saved["configs"].items()}
+    base = base_config(settings)
+    batch = validation_batches(
+        base.data.source,
+        load_tokenizer(base.data.tokenizer),
+        base.train.seq_len,
+        8,
+        1,
+        base.data.val_fraction,
+    )[0]
+    return finish(
+        settings, runs, configs, saved["heldout_text"], document["load"], batch, figure, write_latest
+    )
 
 
 def _write(settings, runs, configs, heldout_info, all_experts, load, partial: bool) -> dict:
@@ -359,7 +392,7 @@ def _write(settings, runs, configs, heldout_info, all_experts, load, partial: bo
         "method": "swarms simulated in one process (benchmarks/quality_sim.py); int8 wire emulated",
         "partial": partial,
     }
-    common.write_result("quality", settings, results, load.summary())
+    common.write_result("quality", settings, results, load)
     return results
 
 
@@ -407,7 +440,13 @@ def main() -> None:
     parser.add_argument("--workdir", default="runs/benchmarks/quality")
     parser.add_argument("--seeds", type=int, nargs="*", help="seeds (default 0 1 2)")
     parser.add_argument("--runs", nargs="*", help=f"settings (default all: {', '.join(SETUPS)})")
+    parser.add_argument(
+        "--finish", action="store_true", help="summarize the seeds every setting finished in quality.json"
+    )
     args = parser.parse_args()
+    if args.finish:
+        finish_from_file()
+        return
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {}
     if args.seeds:

@@ -445,7 +445,7 @@ def node_memory(node, batch: torch.Tensor) -> dict[str, int]:
     }
 
 
-def all_experts_node_memory(cfg: SpesConfig, batch: torch.Tensor, tokenizer) -> dict[str, int]:
+def all_experts_node_memory(cfg: SpesConfig, batch: torch.Tensor) -> dict[str, int]:
     """Bytes of a node that trains every expert of `cfg.model` (one step taken to create the AdamW state)."""
     from spes_node.daemon.trainer import Trainer
 
