@@ -33,8 +33,16 @@ logger = logging.getLogger(__name__)
     "--shard",
     default="auto",
     show_default=True,
-    help="Shard to train, or 'auto' to take the least replicated.",
+    help="One shard to train (same as a one-shard --shards list), or 'auto' to leave it to --shards.",
 )
+@option(
+    "--shards",
+    default="auto",
+    show_default=True,
+    help="Shards to hold: 'auto' (as many as the memory plan fits in the GPU's memory, or on a CPU in the host "
+    "memory available at start), a count K, or a list of indices like 0,2. Placement picks which.",
+)
+@option("--max-shards", type=int, help="Hold at most this many shards (caps --shards auto).")
 @option("--data", help="Data spec: default, hf:NAME[:CONFIG], or local parquet/jsonl/text files.")
 @option("--checkpoint-dir", default="checkpoints", show_default=True, type=click.Path(file_okay=False))
 @option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
@@ -83,6 +91,8 @@ def join(
     announce_maddrs,
     identity,
     shard,
+    shards,
+    max_shards,
     data,
     checkpoint_dir,
     device,
@@ -106,14 +116,16 @@ def join(
         cfg = load_preset("tiny")
     if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run_id):
         raise ValueError(f"--run-id: use 1-64 letters, digits, '_' or '-', got '{run_id}'")
-    if shard != "auto" and not shard.isdigit():
-        raise ValueError(f"--shard: expected a shard index or 'auto', got '{shard}'")
+    from spes_node.daemon.capacity import check_shard_request, parse_shard_request
+
+    request = parse_shard_request(shards, max_shards, shard)
     if max_rounds is not None and max_rounds < 1:
         raise ValueError("--max-rounds: must be >= 1")
-    if cfg is not None and shard != "auto" and int(shard) >= cfg.swarm.num_shards:
-        raise ValueError(f"--shard: {shard} is out of range [0, {cfg.swarm.num_shards})")
     if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
         raise ValueError(f"--device: expected auto, cpu or cuda, got '{device}'")
+    if cfg is not None:  # else the node checks them against the swarm's config once it has it
+        check_shard_request(request, cfg)
+        _check_fits(cfg, request, device)
     if config_hash:
         from spes_node.swarm.records import check_config_hash
 
@@ -144,6 +156,7 @@ def join(
         announce_maddrs=list(announce_maddrs),
         identity=Path(identity) if identity else None,
         shard=None if shard == "auto" else int(shard),
+        shards=request,
         data=data,
         checkpoint_dir=Path(checkpoint_dir),
         device=device,
@@ -160,3 +173,14 @@ def join(
     node = Node(cfg, opts)
     node.install_signal_handlers()
     node.run()
+
+
+def _check_fits(cfg, request, device: str) -> None:
+    """Refuse now, before the DHT starts, a config that cannot fit even one shard on this GPU (a CPU node is not
+    refused: host memory can be freed or swapped; the node warns)."""
+    from spes_node.daemon.capacity import shard_capacity
+    from spes_node.devices import resolve_device
+
+    resolved = resolve_device(device)
+    if resolved.type == "cuda":
+        shard_capacity(cfg, request, resolved)

@@ -11,7 +11,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import hivemind
@@ -20,6 +20,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 
 from spes_node import __version__
 from spes_node.config import SpesConfig
+from spes_node.daemon.capacity import ShardRequest, shard_capacity
 from spes_node.daemon.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
 from spes_node.daemon.data import TokenBatcher, validation_batches
 from spes_node.daemon.metrics import NodeMetrics
@@ -62,6 +63,9 @@ class NodeOptions:
     announce_maddrs: list[str] = field(default_factory=list)
     identity: Path | None = None
     shard: int | None = None
+    """--shard N: train this shard (a one-shard --shards list)."""
+    shards: ShardRequest = field(default_factory=ShardRequest)
+    """--shards/--max-shards: which shards this node holds, or how many (`daemon.capacity`)."""
     data: str | None = None
     checkpoint_dir: Path = Path("checkpoints")
     device: str = "auto"
@@ -205,10 +209,14 @@ class Node:
         opts, num_shards = self.opts, self.cfg.swarm.num_shards
         if checkpoint is not None:
             shard = int(checkpoint.meta["shards"][0])
-        elif opts.shard is not None:
-            shard = opts.shard
         else:
-            shard = self._choose_shard()
+            chosen = self._shards_to_hold()
+            shard = chosen[0]
+            if len(chosen) > 1:
+                logger.info(
+                    f"placement gives this node shards {chosen}; a node trains one shard in this version: "
+                    f"training shard {shard}, not taking {chosen[1:]}"
+                )
         nodes = records.fetch_nodes(self.dht, opts.run_id, num_shards)
         nodes.pop(self.peer_id, None)
         if not 0 <= shard < num_shards:
@@ -342,8 +350,22 @@ class Node:
                 raise NodeError(f"--wait-peers: only {len(ready)} of {self.opts.wait_peers} nodes showed up")
             self.stop_event.wait(0.5)
 
-    def _choose_shard(self) -> int:
-        """Announce ourselves as joining, let simultaneous joiners appear, then take the neediest shard."""
+    def _shards_to_hold(self) -> list[int]:
+        """The shards --shard/--shards name, else as many as the node's capacity (the memory plan) by placement."""
+        request = self.opts.shards
+        if self.opts.shard is not None:
+            request = replace(request, indices=(self.opts.shard,))
+        try:
+            capacity = shard_capacity(self.cfg, request, resolve_device(self.opts.device))
+        except ValueError as e:
+            raise NodeError(str(e)) from None
+        if request.indices is not None:
+            return list(request.indices)
+        logger.info(f"{request.describe()}: room for {capacity} of {self.cfg.swarm.num_shards} shards")
+        return self._choose_shard(capacity)
+
+    def _choose_shard(self, capacity: int = 1) -> list[int]:
+        """Announce ourselves as joining, let simultaneous joiners appear, then take the neediest shards."""
         run_id, num_shards = self.opts.run_id, self.cfg.swarm.num_shards
         self.shard = None
         records.publish_node(
@@ -355,8 +377,12 @@ class Node:
         )
         time.sleep(min(2.0, self.cfg.swarm.heartbeat_s))
         nodes = records.fetch_nodes(self.dht, run_id, num_shards)
-        joiners = [p for p, n in nodes.items() if n.state == "joining" and not n.shards] + [self.peer_id]
-        return assign_joiners(nodes, joiners, num_shards)[self.peer_id]
+        nodes[self.peer_id] = self._joining_info()
+        joiners = [p for p, n in nodes.items() if n.state == "joining" and not n.shards]
+        target = self.cfg.swarm.replication_target
+        return assign_joiners(nodes, joiners, num_shards, target=target, capacities={self.peer_id: capacity})[
+            self.peer_id
+        ]
 
     def _joining_info(self) -> records.NodeInfo:
         return records.NodeInfo(

@@ -419,6 +419,24 @@ def max_shards(cfg: SpesConfig, device_memory: int, *, compute: str = "bf16") ->
     return best
 
 
+def host_need(cfg: SpesConfig, shards_held: int = 1) -> int:
+    """Host memory of a node that trains on the CPU: its training state (the plan's allocated peak in fp32, what
+    a GPU would hold) and the host-side buffers of a running node (`host_running`) live in the same memory."""
+    return (
+        memory_plan(cfg, shards_held, compute="fp32", advise=False).allocated
+        + memory_plan(cfg, shards_held, advise=False).host_running
+    )
+
+
+def host_shards_fit(cfg: SpesConfig, host_memory: int) -> int:
+    """The most shards a node training on the CPU can hold in `host_memory` bytes (0: not even one fits)."""
+    best = 0
+    for held in range(1, cfg.swarm.num_shards + 1):
+        if host_need(cfg, held) <= host_memory:
+            best = held
+    return best
+
+
 def _advice(cfg: SpesConfig, held: int, device_memory: int, compute: str) -> list[str]:
     """Changes that make the plan fit: each single change that does, else the first combination that does."""
     t, s = cfg.train, cfg.swarm

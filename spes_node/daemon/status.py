@@ -20,9 +20,16 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from spes_node.daemon.placement import replica_counts, shard_experts, under_replicated
+from spes_node.daemon.placement import (
+    reachable_counts,
+    replica_counts,
+    shard_experts,
+    under_replicated,
+    unreachable_only,
+)
 from spes_node.swarm.client import open_client_dht
 from spes_node.swarm.records import ACTIVE_STATES
+from spes_node.swarm.relay import circuits_of
 
 if TYPE_CHECKING:
     import hivemind
@@ -116,6 +123,14 @@ def _loss_or_none(loss: float) -> float | None:
     return loss if math.isfinite(loss) and loss > 0 else None
 
 
+def _reach(node: NodeInfo) -> str:
+    """How peers reach a node: "direct", "relay" (client mode with circuit addresses: small requests only, bulk
+    state downloads are not dependable) or "none" (client mode)."""
+    if not node.client_mode:
+        return "direct"
+    return "relay" if circuits_of(node.peer_id, node.maddrs) else "none"
+
+
 def _node_summary(node: NodeInfo, now: float) -> dict[str, Any]:
     return {
         "peer_id": node.peer_id,
@@ -131,6 +146,7 @@ def _node_summary(node: NodeInfo, now: float) -> dict[str, Any]:
         "expires_in_s": max(0.0, node.expires_at - now),
         "version": node.version,
         "client_mode": node.client_mode,
+        "reachable": _reach(node),
         "maddrs": list(node.maddrs),
         "loss_history": list(node.loss_history),
         "bytes_sent": node.bytes_sent,
@@ -162,12 +178,20 @@ def summarize(
     ordered = sorted(
         nodes.values(), key=lambda n: (sorted(n.shards) or [num_shards], n.public_name, n.peer_id)
     )
-    counts = replica_counts(nodes, num_shards)
+    counts, reachable = replica_counts(nodes, num_shards), reachable_counts(nodes, num_shards)
     shards = []
     for shard in range(num_shards):
         experts = list(shard_experts(shard, cfg.model.num_experts, num_shards)) if cfg is not None else []
         holders = [n.peer_id for n in ordered if shard in n.shards]
-        shards.append({"shard": shard, "experts": experts, "replicas": counts[shard], "holders": holders})
+        shards.append(
+            {
+                "shard": shard,
+                "experts": experts,
+                "replicas": counts[shard],
+                "reachable_replicas": reachable[shard],
+                "holders": holders,
+            }
+        )
     losses = [loss for n in nodes.values() if (loss := _loss_or_none(n.loss)) is not None]
     return {
         "run_id": run_id,
@@ -185,6 +209,8 @@ def summarize(
         "nodes": [_node_summary(n, now) for n in ordered],
         "shards": shards,
         "under_replicated": under_replicated(nodes, num_shards, target) if target is not None else [],
+        "no_holder": [shard for shard in range(num_shards) if counts[shard] == 0],
+        "unreachable_only": unreachable_only(nodes, num_shards),
         "dht_time": now,
         "warnings": list(dict.fromkeys(warnings)),
     }
@@ -259,7 +285,19 @@ def render(summary: Mapping[str, Any]) -> str:
         f"mean loss {_loss(summary['mean_loss'])}"
     )
     lines.append("")
-    header = ("PEER", "NAME", "SHARDS", "ROUND", "STEP", "TOKENS", "TOK/S", "LOSS", "STATE", "SEEN")
+    header = (
+        "PEER",
+        "NAME",
+        "SHARDS",
+        "ROUND",
+        "STEP",
+        "TOKENS",
+        "TOK/S",
+        "LOSS",
+        "STATE",
+        "SEEN",
+        "INBOUND",
+    )
     rows = [
         (
             short_peer(n["peer_id"]),
@@ -272,21 +310,20 @@ def render(summary: Mapping[str, Any]) -> str:
             _loss(n["loss"]),
             n["state"],
             f"{n['last_seen_s']:.0f}s",
+            n.get("reachable", "direct"),
         )
         for n in nodes
     ]
     lines += _table(header, rows, right={3, 4, 5, 6, 7, 9}) if rows else ["(no live nodes)"]
     lines.append("")
     names = {n["peer_id"]: n["public_name"] or short_peer(n["peer_id"]) for n in nodes}
-    at_risk = set(summary["under_replicated"])
-    target = summary["replication_target"]
     rows = [
         (
             str(s["shard"]),
             _experts(s["experts"]),
             str(s["replicas"]),
             ", ".join(names[p] for p in s["holders"]) or "-",
-            f"UNDER-REPLICATED (target {target})" if s["shard"] in at_risk else "",
+            "; ".join(_shard_flags(summary, s["shard"])),
         )
         for s in summary["shards"]
     ]
@@ -294,6 +331,17 @@ def render(summary: Mapping[str, Any]) -> str:
         _table(("SHARD", "EXPERTS", "REPLICAS", "HOLDERS", ""), rows, right={2}) if rows else ["(no shards)"]
     )
     return "\n".join(lines)
+
+
+def _shard_flags(summary: Mapping[str, Any], shard: int) -> list[str]:
+    flags = []
+    if shard in summary.get("no_holder", []):
+        flags.append("NO HOLDER (experts not trained)")
+    if shard in summary.get("unreachable_only", []):
+        flags.append("NO REACHABLE HOLDER (client mode only: its state cannot be downloaded)")
+    if shard in summary["under_replicated"]:
+        flags.append(f"UNDER-REPLICATED (target {summary['replication_target']})")
+    return flags
 
 
 # ---------------------------------------------------------------------------------------------- picture
@@ -306,7 +354,7 @@ def plot(summary: Mapping[str, Any], path: str | os.PathLike) -> None:
 
     nodes, shards = summary["nodes"], summary["shards"]
     names = [n["public_name"] or short_peer(n["peer_id"]) for n in nodes]
-    at_risk = set(summary["under_replicated"])
+    at_risk = set(summary["under_replicated"]) | set(summary.get("unreachable_only", []))
     fig = Figure(figsize=(11, 4.5), layout="constrained")
     cover, losses = fig.subplots(1, 2, width_ratios=[1, 1.4])
 
