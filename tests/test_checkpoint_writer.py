@@ -24,23 +24,26 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
-    "steps, seconds, every_steps, every_minutes, round_end, due",
+    "step, last, seconds, every_steps, every_minutes, round_end, due",
     [
-        (0, 0.0, 0, 0.0, False, False),  # nothing set: only round ends
-        (0, 1e6, 0, 0.0, True, True),
-        (99, 0.0, 100, 0.0, False, False),
-        (100, 0.0, 100, 0.0, False, True),
-        (250, 0.0, 100, 0.0, False, True),  # a deferred checkpoint is still due
-        (5, 1799.0, 1000, 30.0, False, False),
-        (5, 1800.0, 1000, 30.0, False, True),  # time first
-        (1000, 10.0, 1000, 30.0, False, True),  # steps first
-        (5, 10.0, 1000, 30.0, True, False),  # with a time interval, a round end alone is not enough
-        (5, 10.0, 0, 30.0, True, False),
-        (0, 1800.0, 0, 30.0, False, True),
+        (5, 0, 0.0, 0, 0.0, False, False),  # nothing set: only round ends
+        (5, 0, 1e6, 0, 0.0, True, True),
+        (99, 0, 0.0, 100, 0.0, False, False),
+        (100, 0, 0.0, 100, 0.0, False, True),
+        (100, 99, 0.0, 100, 0.0, False, True),  # at multiples of the interval, not 100 steps after the last
+        (150, 100, 0.0, 100, 0.0, False, False),
+        (201, 199, 0.0, 100, 0.0, False, True),  # skipped at 200 while another was written: still due
+        (200, 200, 0.0, 100, 0.0, False, False),
+        (105, 100, 1799.0, 1000, 30.0, False, False),
+        (105, 100, 1800.0, 1000, 30.0, False, True),  # time first
+        (1000, 990, 10.0, 1000, 30.0, False, True),  # steps first
+        (105, 100, 10.0, 1000, 30.0, True, False),  # with a time interval, a round end alone is not enough
+        (105, 100, 10.0, 0, 30.0, True, False),
+        (0, 0, 1800.0, 0, 30.0, False, True),
     ],
 )
-def test_checkpoint_due(steps, seconds, every_steps, every_minutes, round_end, due):
-    assert checkpoint_due(steps, seconds, every_steps, every_minutes, round_end) is due
+def test_checkpoint_due(step, last, seconds, every_steps, every_minutes, round_end, due):
+    assert checkpoint_due(step, last, seconds, every_steps, every_minutes, round_end) is due
 
 
 def test_frozen_expert_names():
@@ -167,15 +170,20 @@ def test_failed_write_is_logged_and_tried_again(tmp_path, caplog):
     assert manager.latest().step == 2
 
 
-def test_due_counts_from_the_last_snapshot(tmp_path):
+def test_due_counts_from_the_start_and_the_last_snapshot(tmp_path):
     writer = CheckpointWriter(CheckpointManager(tmp_path))
-    assert not writer.due(100, every_steps=10, every_minutes=0)  # the first call starts the clock
+    writer.start_clock(100)
+    assert writer.due(100 + 1, every_steps=0, every_minutes=0, round_end=True)
+    assert not writer.due(100, every_steps=10, every_minutes=0)
     assert not writer.due(109, every_steps=10, every_minutes=0)
     assert writer.due(110, every_steps=10, every_minutes=0)
+    assert writer.due(112, every_steps=10, every_minutes=0)  # 110 was not taken
     writer.submit(snapshot_of(112))
     writer.wait(10)
-    assert not writer.due(121, every_steps=10, every_minutes=0)
-    assert writer.due(122, every_steps=10, every_minutes=0)
+    writer.start_clock(0)  # a snapshot was taken: the clock is not reset
+    assert not writer.due(119, every_steps=10, every_minutes=0)
+    assert writer.due(120, every_steps=10, every_minutes=0)
+    assert not writer.due(119, every_steps=0, every_minutes=1)
     assert writer.due(113, every_steps=0, every_minutes=1e-9)
 
 

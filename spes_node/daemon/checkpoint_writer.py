@@ -25,14 +25,21 @@ _SHARD_TENSOR = re.compile(r".*\.mlp\.shards\.(\d+)\..*")
 
 
 def checkpoint_due(
-    steps_since: int, seconds_since: float, every_steps: int, every_minutes: float, round_end: bool = False
+    step: int,
+    last_step: int,
+    seconds_since: float,
+    every_steps: int,
+    every_minutes: float,
+    round_end: bool = False,
 ) -> bool:
-    """Whether a checkpoint is due, `steps_since` and `seconds_since` the last one (or the start of training).
+    """Whether a checkpoint is due at `step`, the last one (or the start of training) at `last_step` and
+    `seconds_since` ago.
 
-    Due every `every_steps` steps or every `every_minutes` minutes, whichever comes first (0: that one is off).
-    At a round's end: always when `every_minutes` is 0 (small presets checkpoint every round), else only when
-    one of the two is due (at large presets a checkpoint every round would cost more than it saves)."""
-    if every_steps and steps_since >= every_steps:
+    Due at every multiple of `every_steps` or every `every_minutes` minutes, whichever comes first (0: that one is
+    off); a multiple passed since the last checkpoint (one skipped while another was written) stays due. At a
+    round's end: always when `every_minutes` is 0 (small presets checkpoint every round), else only when one of the
+    two is due (at large presets a checkpoint every round would cost more than it saves)."""
+    if every_steps and step // every_steps > last_step // every_steps:
         return True
     if every_minutes:
         return seconds_since >= every_minutes * 60.0
@@ -70,18 +77,22 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._skipped_while: int | None = None
         self._last: tuple[int, float] | None = None
-        """(step, monotonic time) of the last snapshot, or of the first `due` call."""
+        """(step, monotonic time) of the last snapshot, or of `start_clock`."""
 
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def due(self, step: int, every_steps: int, every_minutes: float, round_end: bool = False) -> bool:
-        """`checkpoint_due` since the last snapshot taken (the first call starts the clock)."""
+    def start_clock(self, step: int) -> None:
+        """Count the intervals from `step`, now (the start of training), unless a snapshot was taken already."""
         if self._last is None:
             self._last = (step, time.monotonic())
+
+    def due(self, step: int, every_steps: int, every_minutes: float, round_end: bool = False) -> bool:
+        """`checkpoint_due` since the last snapshot taken or `start_clock` (else the first call starts the clock)."""
+        self.start_clock(step)
         last_step, last_time = self._last
         return checkpoint_due(
-            step - last_step, time.monotonic() - last_time, every_steps, every_minutes, round_end
+            step, last_step, time.monotonic() - last_time, every_steps, every_minutes, round_end
         )
 
     def submit(self, take: Callable[[], Snapshot], key: Hashable | None = None) -> bool:
