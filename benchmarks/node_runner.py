@@ -25,11 +25,12 @@ import re
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from spes_node.cli import main as cli_main
 from spes_node.daemon import node as node_module
 from spes_node.daemon.node import Node
-from spes_node.daemon.round import SpesRound
+from spes_node.daemon.round import RoundInputs, RoundReport, SpesRound
 from spes_node.daemon.trainer import Trainer
 
 TIMELINE: dict = {
@@ -70,46 +71,51 @@ def _wrap_train_step(original):
     return train_step
 
 
+def _wrap_node_begin_round(original):
+    def _begin_round(self: Node, overlap: bool) -> None:
+        # what the round does first: the previous round's refresh belongs to that round
+        self.sync.finish_pending()
+        self.status.add_bytes("refresh", 0, self.sync.take_refresh_bytes())
+        TIMELINE["counters"].append(_counters(self))
+        original(self, overlap)
+
+    return _begin_round
+
+
 def _wrap_begin_round(original):
-    def begin_round(self: SpesRound, overlap: bool) -> None:
+    def begin_round(self: SpesRound, inputs: RoundInputs, overlap: bool) -> None:
         called = time.time()
-        self.finish_pending()  # what begin_round does first: the previous round's refresh belongs to that round
-        TIMELINE["counters"].append(_counters(self.node))
+        self.finish_pending()
         TIMELINE["rounds"].append({"called": called, "start": time.time(), "overlap": overlap})
         if not TIMELINE["no_sync"]:
-            original(self, overlap)
+            original(self, inputs, overlap)
             return
-        self.node.end_round_loss()
-        self._inflight = {"no_sync": True, "shared": None, "shard": None}
+        self._inflight = SimpleNamespace(inputs=inputs, handles=list)  # ready at once, nothing to average
 
     return begin_round
 
 
 def _wrap_complete_round(original):
-    def complete_round(self: SpesRound) -> None:
-        if TIMELINE["no_sync"]:
-            _skip_round(self)
-        else:
-            original(self)
+    def complete_round(self: SpesRound) -> RoundReport:
+        report = _skip_round(self) if TIMELINE["no_sync"] else original(self)
         TIMELINE["rounds"][-1].update(end=time.time(), report=dict(self.last_report))
+        return report
 
     return complete_round
 
 
-def _skip_round(sync: SpesRound) -> None:
-    node = sync.node
-    sync._inflight = None
-    node.status.round += 1
-    sync.last_report = {
-        "round": node.status.round,
-        "loss": node.status.loss_history[-1] if node.status.loss_history else float("nan"),
-        "shared_group": 1,
-        "shard_group": 1,
-        "bytes_shared": 0,
-        "bytes_shard": 0,
-        "seconds": 0.0,
-        "errors": [],
-    }
+def _skip_round(sync: SpesRound) -> RoundReport:
+    flight, sync._inflight = sync._inflight, None
+    report = RoundReport(
+        round=flight.inputs.round + 1,
+        loss=flight.inputs.loss,
+        shards=sync.shards,
+        data_part=flight.inputs.data_part,
+        shared_group=1,
+        shard_groups={shard: 1 for shard in sync.shards},
+    )
+    sync.last_report = report.as_dict()
+    return report
 
 
 def _wrap_startup(original):
@@ -157,6 +163,7 @@ def _wrap_data_part(original):
 
 def install() -> None:
     Trainer.train_step = _wrap_train_step(Trainer.train_step)
+    Node._begin_round = _wrap_node_begin_round(Node._begin_round)
     SpesRound.begin_round = _wrap_begin_round(SpesRound.begin_round)
     SpesRound.complete_round = _wrap_complete_round(SpesRound.complete_round)
     Node.startup = _wrap_startup(Node.startup)

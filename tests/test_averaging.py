@@ -1,14 +1,13 @@
 """Outer steps applied to a round's average, with and without overlap (pure tensors, no network)."""
 
-from types import SimpleNamespace
-
 import torch
 
 from spes_node.config import load_preset
-from spes_node.daemon.round import SpesRound, apply_outer
+from spes_node.daemon.round import apply_outer
 from spes_node.model.moe import MoEForCausalLM
 from spes_node.model.ownership import apply_ownership, load_shard_tensors, shard_tensors
 from spes_node.swarm.averaging import NesterovOuter, PlainAverage
+from spes_node.swarm.snapshots import FrozenShard, SnapshotPublisher
 
 
 def test_plain_average_replaces_weights():
@@ -62,20 +61,22 @@ def test_frozen_snapshots_are_copied_again_only_after_the_weights_change():
     cfg = load_preset("tiny")
     model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
     apply_ownership(model, [0], "bf16")
-    spes_round = SpesRound(SimpleNamespace(cfg=cfg, model=model))
-    try:
-        first = spes_round._frozen_snapshot(1, torch.float16)
-        assert spes_round._frozen_snapshot(1, torch.float16) is first, "unchanged weights: no new copy"
-        assert all(t.dtype == torch.float16 and t.device.type == "cpu" for t in first.values())
-        # a refresh stores new buffers, so the next snapshot is a new copy of the new weights
-        load_shard_tensors(model, 1, {k: v + 1.0 for k, v in shard_tensors(model, 1).items()})
-        second = spes_round._frozen_snapshot(1, torch.float16)
-        assert second is not first
-        for name, tensor in shard_tensors(model, 1).items():
-            torch.testing.assert_close(second[name].float(), tensor, rtol=1e-3, atol=1e-3)
-            assert not torch.equal(second[name], first[name])
-    finally:
-        spes_round.loop.stop()
+    publisher = SnapshotPublisher(server=None, loop=None, dtype=torch.float16)
+
+    def frozen() -> FrozenShard:
+        buffers = [b for s in model.expert_shards(1) for b in s.buffers()]
+        return FrozenShard(buffers, lambda: shard_tensors(model, 1))
+
+    first = publisher.frozen_copy(1, frozen())
+    assert publisher.frozen_copy(1, frozen()) is first, "unchanged weights: no new copy"
+    assert all(t.dtype == torch.float16 and t.device.type == "cpu" for t in first.values())
+    # a refresh stores new buffers, so the next snapshot is a new copy of the new weights
+    load_shard_tensors(model, 1, {k: v + 1.0 for k, v in shard_tensors(model, 1).items()})
+    second = publisher.frozen_copy(1, frozen())
+    assert second is not first
+    for name, tensor in shard_tensors(model, 1).items():
+        torch.testing.assert_close(second[name].float(), tensor, rtol=1e-3, atol=1e-3)
+        assert not torch.equal(second[name], first[name])
 
 
 def test_nesterov_state_survives_a_checkpoint_and_stays_on_the_weights_device():

@@ -299,7 +299,7 @@ def test_export_from_a_swarm_takes_each_shard_from_its_holder(tmp_path):
             with torch.no_grad():
                 for tensor in shared_and_shard(node.model, index).values():
                     tensor.add_(0.01 * (index + 1))
-            node.sync.publish_snapshots()
+            node.sync.publish_snapshots(node.status.round)
 
         result = export(
             "--peers", nodes[0].visible_maddrs[0], "--run-id", "export", "--out", str(tmp_path / "out")

@@ -10,7 +10,6 @@ The GPU path (bf16 autocast) is measured through CPU autocast, which takes the s
 from __future__ import annotations
 
 import json
-import types
 import weakref
 
 import pytest
@@ -31,7 +30,7 @@ from spes_node.daemon.plan import (
     parse_size,
     plan_table,
 )
-from spes_node.daemon.round import SpesRound
+from spes_node.daemon.round import merge_own_experts
 from spes_node.daemon.trainer import Trainer
 from spes_node.model.moe import MoEForCausalLM, analytic_param_count
 from spes_node.model.ownership import apply_ownership
@@ -305,15 +304,14 @@ def test_plan_matches_a_measured_step(name, checkpointing, compute):
 
 @pytest.mark.parametrize("name", ["tiny", "small"])
 def test_plan_matches_a_measured_merge(name):
-    """Between steps, the merge warm-up (`SpesRound.merge`) is the largest thing on the device for small models."""
+    """Between steps, the merge warm-up (`round.merge_own_experts`) is the largest thing on the device for small models."""
     cfg = load_preset(name)
     model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
     apply_ownership(model, [0], cfg.swarm.frozen_dtype)
     static = list(model.parameters()) + list(model.buffers())
     live = _LiveBytes({t.untyped_storage().data_ptr() for t in static})
-    node = types.SimpleNamespace(cfg=cfg, node=types.SimpleNamespace(model=model, shard=0))
     with live:
-        SpesRound.merge(node, 0)  # sync step 0: alpha is alpha0
+        merge_own_experts(model, [0], 0, cfg.swarm)  # sync step 0: alpha is alpha0
     plan = memory_plan(cfg, 1)
     merge = plan.between_allocated - (plan.weights + plan.optimizer + plan.frozen + plan.outer)
     assert abs(merge - live.peak) <= TOLERANCE * live.peak, (merge, live.peak)

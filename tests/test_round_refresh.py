@@ -4,16 +4,28 @@ applied (no network: the download is a coroutine that never finishes in time).""
 import asyncio
 import threading
 import time
-from types import SimpleNamespace
 
 from spes_node.config import load_preset
 from spes_node.daemon.round import SpesRound
 
 
+def _round(cfg, stop_event: threading.Event, model=None) -> SpesRound:
+    """A round with no network: only its event loop runs."""
+    return SpesRound(
+        cfg,
+        run_id="test",
+        config_hash="0" * 64,
+        peer_id="me",
+        dht=None,
+        model=model,
+        shards=[0],
+        stop_event=stop_event,
+    )
+
+
 def test_a_refresh_past_its_timeout_is_cancelled_and_never_applied():
     cfg = load_preset("tiny").replace(swarm={"averaging_timeout": 1.0, "num_shards": 2})
-    node = SimpleNamespace(cfg=cfg, stop_event=threading.Event(), shard=0, model=None)
-    spes_round = SpesRound(node)
+    spes_round = _round(cfg, threading.Event())
     delivered = threading.Event()
 
     async def slow_refresh():
@@ -38,11 +50,11 @@ def test_a_refresh_past_its_timeout_is_cancelled_and_never_applied():
 
 def test_a_stopping_node_does_not_wait_for_its_refresh():
     cfg = load_preset("tiny").replace(swarm={"averaging_timeout": 60.0})
-    node = SimpleNamespace(cfg=cfg, stop_event=threading.Event(), shard=0, model=None)
-    spes_round = SpesRound(node)
+    stop_event = threading.Event()
+    spes_round = _round(cfg, stop_event)
     try:
         spes_round._refresh = spes_round.loop.submit(asyncio.sleep(300))
-        node.stop_event.set()
+        stop_event.set()
         started = time.monotonic()
         spes_round.finish_pending()
         assert time.monotonic() - started < 10  # not the 240 s its timeout allows
@@ -56,23 +68,20 @@ def test_the_nesterov_outer_state_goes_through_a_checkpoint(tmp_path):
     from spes_node.daemon.checkpoint import CheckpointManager
     from spes_node.daemon.round import apply_outer
     from spes_node.model.moe import MoEForCausalLM
-    from spes_node.model.ownership import apply_ownership, shard_tensors, shared_parameters
+    from spes_node.model.ownership import apply_ownership, shared_parameters
 
     cfg = load_preset("tiny").replace(swarm={"outer_optimizer": "nesterov"})
     model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
     apply_ownership(model, [0])
-    node = SimpleNamespace(cfg=cfg, stop_event=threading.Event(), shard=0, model=model)
-    first, second = SpesRound(node), SpesRound(node)
+    first, second = _round(cfg, threading.Event(), model), _round(cfg, threading.Event(), model)
     try:
-        first.shared_outer = first._outer(shared_parameters(model))
-        first.shard_outer = first._outer(shard_tensors(model, 0))
+        first.reset_outer()
         with torch.no_grad():
             averaged = {k: v.detach() * 0.9 for k, v in shared_parameters(model).items()}
         apply_outer(first.shared_outer, shared_parameters(model), None, averaged)
         CheckpointManager(tmp_path).save(1, {}, {}, {"by_name": {}, "outer": first.outer_state_dict()})
 
-        second.shared_outer = second._outer(shared_parameters(model))
-        second.shard_outer = second._outer(shard_tensors(model, 0))
+        second.reset_outer()
         second.load_outer_state_dict(CheckpointManager(tmp_path).latest().optimizer["outer"])
         for name, velocity in first.shared_outer.velocity.items():
             assert torch.equal(second.shared_outer.velocity[name], velocity), name

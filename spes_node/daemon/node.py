@@ -25,7 +25,7 @@ from spes_node.daemon.checkpoint import CheckpointError, CheckpointManager, rng_
 from spes_node.daemon.data import TokenBatcher, validation_batches
 from spes_node.daemon.metrics import NodeMetrics
 from spes_node.daemon.placement import assign_joiners, data_part
-from spes_node.daemon.round import SpesRound
+from spes_node.daemon.round import RoundInputs, RoundReport, SpesRound, StateTaken, next_data_part
 from spes_node.daemon.trainer import Trainer
 from spes_node.devices import resolve_device
 from spes_node.errors import SpesError
@@ -274,8 +274,20 @@ class Node:
     def _start_round(self, checkpoint, nodes: dict) -> None:
         """Serve our state and take the swarm's: a new node downloads everything; a resumed node behind the swarm
         catches up, its own shard included (its stale shard would otherwise pull its replicas back)."""
-        self.sync = SpesRound(self)
-        self.sync.start()
+        self.sync = SpesRound(
+            self.cfg,
+            run_id=self.opts.run_id,
+            config_hash=self.config_hash,
+            peer_id=self.peer_id,
+            dht=self.dht,
+            model=self.model,
+            shards=[self.shard],
+            stop_event=self.stop_event,
+            set_ownership=self.trainer.set_ownership,
+            swarm_key=self.opts.swarm_key,
+            client_mode=self.opts.client_mode,
+        )
+        self.sync.start(self.status.round)
         if checkpoint is not None:
             self._restore_outer(checkpoint)
         live = [n.round for n in nodes.values() if n.state in records.ACTIVE_STATES]
@@ -283,17 +295,27 @@ class Node:
         if checkpoint is None:
             # also at round 0: the swarm may have started from --init-from weights; the state of the round most
             # live nodes are in (a holder one round behind would start us a round late)
-            self.sync.download_swarm_state(nodes, include_own=True, min_round=consensus_round(live) or 0)
+            taken = self.sync.take_swarm_state(nodes, self.status.round, min_round=consensus_round(live) or 0)
+            self._take_state(taken)
             self._join_mid_round()
         elif behind is not None:
             resumed_round = self.status.round
-            self.sync.download_swarm_state(nodes, include_own=True, min_round=behind)
+            self._take_state(self.sync.take_swarm_state(nodes, self.status.round, min_round=behind))
             if self.status.round > resumed_round:
                 self.save_checkpoint()
                 logger.info(
                     f"caught up from round {resumed_round} to the swarm's round {self.status.round} "
                     f"(checkpoint at step {self.trainer.step})"
                 )
+
+    def _take_state(self, taken: StateTaken | None) -> None:
+        """Apply a download of the swarm's state: its round, the step that round implies, bytes, time taken."""
+        if taken is None:
+            return
+        self.status.round = max(self.status.round, taken.round)
+        self.trainer.step = max(self.trainer.step, taken.min_step)
+        self.status.add_bytes("state_download", 0, taken.nbytes)
+        self.join_seconds = taken.seconds
 
     def _join_mid_round(self) -> None:
         """Start where the swarm is within its round: a joiner that began the round from step 0 would reach the
@@ -326,7 +348,8 @@ class Node:
         self._wait_for_peers()
         # replicas that started together may have taken the same data part; settle it before the first step
         # (after a round it would cost the mover the time to re-read its data while the others match)
-        self.sync.settle_data_part()
+        nodes = records.fetch_nodes(self.dht, self.opts.run_id, self.cfg.swarm.num_shards)
+        self._set_data_part(next_data_part(nodes, self.peer_id, self.data_part))
         if self._resume_rng is not None:
             set_rng_state(self._resume_rng)  # last, so that nothing in startup draws from the restored state
         logger.info(
@@ -614,6 +637,7 @@ class Node:
             self.status.state = "training"
             while self.steps_into_round < H and not self.stop_event.is_set():
                 self.sync.apply_pending()
+                self.status.add_bytes("refresh", 0, self.sync.take_refresh_bytes())
                 if self.sync.round_ready():
                     self._complete_round()
                 stats = self.trainer.train_step()
@@ -645,7 +669,7 @@ class Node:
                 self._complete_round()
             last = self.opts.max_rounds is not None and self.rounds_done + 1 >= self.opts.max_rounds
             overlap = self.cfg.swarm.overlap and not last
-            self.sync.begin_round(overlap=overlap)
+            self._begin_round(overlap)
             self.steps_into_round = 0
             self.tokens_since_sync = 0
             if not overlap:
@@ -654,13 +678,54 @@ class Node:
             self._complete_round()
         if self.sync.finish_pending():
             self._saved_step = None
+        self.status.add_bytes("refresh", 0, self.sync.take_refresh_bytes())
+
+    def _begin_round(self, overlap: bool) -> None:
+        """Announce that we average, read the swarm's records (the round's one read) and start the all-reduces."""
+        self.status.state = "averaging"
+        self.publish_record()
+        nodes = records.fetch_nodes(self.dht, self.opts.run_id, self.cfg.swarm.num_shards)
+        inputs = RoundInputs(
+            round=self.status.round,
+            step=self.trainer.step,
+            tokens_since_sync=self.tokens_since_sync,
+            loss=self.end_round_loss(),
+            nodes=nodes,
+            me=self.node_info(),
+            data_part=self.data_part,
+        )
+        self.sync.begin_round(inputs, overlap=overlap)
+        if overlap:
+            self.status.state = "training"
 
     def _complete_round(self) -> None:
-        self.sync.complete_round()
+        report = self.sync.complete_round()
+        self._apply_round(report)
         self.metrics.update(self.status, self.sync.last_report, step=self.trainer.step)
         self.round_reports.append(self.sync.last_report)
         self.rounds_done += 1
         self.save_checkpoint()
+
+    def _apply_round(self, report: RoundReport) -> None:
+        """What the round changed: round, bytes, the trainer's step after a catch-up, shards, data part."""
+        self.status.round = report.round
+        for kind in report.bytes_sent.keys() | report.bytes_received.keys():
+            self.status.add_bytes(kind, report.bytes_sent.get(kind, 0), report.bytes_received.get(kind, 0))
+        if report.state_taken is not None:
+            self.trainer.step = max(self.trainer.step, report.state_taken.min_step)
+        self._set_data_part(report.data_part)
+        moved = report.shards[0] != self.shard
+        self.shard = report.shards[0]
+        self.status.state = "training"
+        if moved:
+            self.publish_record()
+
+    def _set_data_part(self, part: tuple[int, int] | None) -> None:
+        """Read another data part (announced by the next heartbeat: a DHT store here would delay the next step)."""
+        if part is None or part == self.data_part:
+            return
+        self.batcher.set_part(*part)
+        self.data_part = part
 
     def end_round_loss(self) -> float:
         loss = sum(self.round_losses) / len(self.round_losses) if self.round_losses else float("nan")

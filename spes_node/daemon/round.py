@@ -1,12 +1,16 @@
 """The SPES round: what a node does after H local steps.
 
 1. shared parameters averaged over every node that reaches the round within the matchmaking window;
-2. the node's shard averaged among its replicas only (both all-reduces run at the same time);
+2. each shard the node trains averaged among its replicas only (all all-reduces run at the same time);
 3. frozen experts refreshed from their holders every `refresh_every` rounds, in the background;
 4. the expert-merging warm-up on the node's own experts, when due.
 No step waits for a particular peer: a group of one is a no-op, a failed all-reduce keeps the local weights.
 A node's round moves by one per round; it jumps ahead only by catching up to a round most other nodes report
 (`progress.should_catch_up`), taking their weights instead of averaging its old ones into theirs.
+
+`SpesRound` is a component of the node: it is handed what it needs (config, DHT, model, the swarm's records read
+once per round) and returns what happened (`RoundReport`, `StateTaken`) for the node to apply. The decisions it
+takes are the pure functions at the end of this module.
 """
 
 from __future__ import annotations
@@ -15,18 +19,20 @@ import concurrent.futures
 import logging
 import threading
 import time
-import weakref
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 
+import hivemind
 import torch
-from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
 from spes_node.aio import LoopThread
-from spes_node.daemon.placement import data_part, plan_rebalance
+from spes_node.config import SpesConfig, SwarmConfig
+from spes_node.daemon.placement import data_part, plan_rebalance, replica_counts
 from spes_node.model.merge import merge_alpha, merge_due, merge_layer
+from spes_node.model.moe import MoEForCausalLM
 from spes_node.model.ownership import load_shard_tensors, shard_tensors, shared_parameters
-from spes_node.swarm import records, relay
+from spes_node.swarm import records
 from spes_node.swarm.averaging import (
     GroupAverager,
     GroupResult,
@@ -34,98 +40,205 @@ from spes_node.swarm.averaging import (
     PlainAverage,
     wire_compression,
 )
-from spes_node.swarm.progress import rank_holders, should_catch_up, wait_for_peers
+from spes_node.swarm.fetch import StateFetcher
+from spes_node.swarm.progress import should_catch_up, wait_for_peers
 from spes_node.swarm.robust import BanList
-from spes_node.swarm.transfer import Snapshot, StateServer, TransferError, download_part
-
-if TYPE_CHECKING:
-    from spes_node.daemon.node import Node
+from spes_node.swarm.snapshots import FrozenShard, SnapshotPublisher, cpu_copy
+from spes_node.swarm.swarm_key import SwarmKey
+from spes_node.swarm.transfer import StateServer, TransferError
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class RoundInputs:
+    """What the node hands the round when it begins one."""
+
+    round: int
+    """The round the node has completed so far."""
+    step: int
+    tokens_since_sync: int
+    loss: float
+    """The mean loss of the round's local steps."""
+    nodes: dict[str, records.NodeInfo]
+    """The swarm's records, read once for this round."""
+    me: records.NodeInfo
+    """The node's own record as it is now."""
+    data_part: tuple[int, int]
+
+
+@dataclass
+class StateTaken:
+    """The swarm's state, downloaded into the model (by a joiner, or by a node that caught up)."""
+
+    round: int
+    """The round of the state taken (never below the node's own)."""
+    min_step: int
+    """The trainer step that round implies: the trainer's step moves up to it."""
+    nbytes: int
+    seconds: float
+
+
+@dataclass
+class RoundReport:
+    """What a completed round changed; the node applies it (status, trainer, data, record, metrics)."""
+
+    round: int
+    loss: float
+    shards: tuple[int, ...]
+    data_part: tuple[int, int]
+    shared_group: int
+    shard_groups: dict[int, int]
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+    bytes_received: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    overlapped: bool = False
+    failed_parts: int = 0
+    errors: list[str] = field(default_factory=list)
+    banned: list[str] = field(default_factory=list)
+    merged: bool = False
+    refreshed: int = 0
+    caught_up: int | None = None
+    state_taken: StateTaken | None = None
+    """Set when the round caught up by downloading the swarm's state."""
+
+    def add_bytes(self, kind: str, sent: int, received: int) -> None:
+        self.bytes_sent[kind] = self.bytes_sent.get(kind, 0) + sent
+        self.bytes_received[kind] = self.bytes_received.get(kind, 0) + received
+
+    def as_dict(self) -> dict:
+        """The form summaries, metrics and tests read."""
+        return {
+            "round": self.round,
+            "loss": self.loss,
+            "shared_group": self.shared_group,
+            "shard_group": min(self.shard_groups.values(), default=1),
+            "bytes_shared": self.bytes_sent.get("shared", 0) + self.bytes_received.get("shared", 0),
+            "bytes_shard": self.bytes_sent.get("shard", 0) + self.bytes_received.get("shard", 0),
+            "seconds": self.seconds,
+            "overlapped": self.overlapped,
+            "failed_parts": self.failed_parts,
+            "errors": list(self.errors),
+            "banned": list(self.banned),
+            "merged": self.merged,
+            "refreshed": self.refreshed,
+            "caught_up": self.caught_up,
+        }
+
+
+@dataclass
+class _Flight:
+    """A round whose all-reduces are running."""
+
+    inputs: RoundInputs
+    started: float
+    shared: tuple | None
+    shards: dict[int, tuple | None]
+    sent_shared: dict[str, torch.Tensor] | None
+    sent_shards: dict[int, dict[str, torch.Tensor] | None]
+
+    def handles(self) -> list:
+        return [self.shared, *self.shards.values()]
+
+
 class SpesRound:
-    def __init__(self, node: Node):
-        self.node = node
-        self.cfg = node.cfg
+    def __init__(
+        self,
+        cfg: SpesConfig,
+        *,
+        run_id: str,
+        config_hash: str,
+        peer_id: str,
+        dht: hivemind.DHT | None,
+        model: MoEForCausalLM | None,
+        shards: Iterable[int],
+        stop_event: threading.Event,
+        set_ownership: Callable[[list[int]], None] | None = None,
+        swarm_key: SwarmKey | None = None,
+        client_mode: bool = False,
+    ):
+        """`set_ownership`: makes the model and the optimiser train other shards (before their weights are loaded,
+        so that they arrive at full precision); called when the node moves to another shard."""
+        self.cfg, self.run_id, self.config_hash, self.peer_id = cfg, run_id, config_hash, peer_id
+        self.dht, self.model, self.stop_event = dht, model, stop_event
+        self.shards = tuple(shards)
+        self.set_ownership, self.swarm_key, self.client_mode = set_ownership, swarm_key, client_mode
         self.loop = LoopThread()
+        self.bans = BanList()
+        self.shared_avg: GroupAverager | None = None
+        self.shard_avgs: dict[int, GroupAverager] = {}
+        self.shared_outer: PlainAverage | NesterovOuter | None = None
+        self.shard_outers: dict[int, PlainAverage | NesterovOuter] = {}
+        self.fetcher: StateFetcher | None = None
+        self.publisher: SnapshotPublisher | None = None
+        self.p2p = None
+        self.server: StateServer | None = None
+        self.last_report: dict = {}
+        self._inflight: _Flight | None = None
         self._pending: dict[int, dict[str, torch.Tensor]] = {}
         self._pending_lock = threading.Lock()
         self._refresh: concurrent.futures.Future | None = None
-        self.shared_avg: GroupAverager | None = None
-        self.shard_avg: GroupAverager | None = None
-        self.last_report: dict = {}
-        self._inflight: dict | None = None
-        self.bans = BanList()
-        self._circuits: dict[str, list[str]] = {}
-        """Relay addresses of peers that take no direct connections, from their last records."""
-        self._frozen_snapshots: dict[int, tuple[list, dict[str, torch.Tensor]]] = {}
-        """Served copies of frozen shards, with weak references to the buffers they were copied from."""
-        self._verified: set[str] = set()
-        """Peers that proved themselves: they served us valid state or averaged with us."""
-        self._failed: dict[str, int] = {}
-        """Peers whose downloads failed, with how often; they are asked last."""
+        self._refresh_bytes = 0
+        """Bytes downloaded by background refreshes since the last report."""
         self._round_started = time.perf_counter()
         self._round_seconds: float | None = None
         """How long our last round took (local steps and sync)."""
 
     # ------------------------------------------------------------------ setup
 
-    def start(self) -> None:
-        node, swarm = self.node, self.cfg.swarm
-        self.p2p = self.loop.run(node.dht.replicate_p2p())
+    def start(self, round_: int) -> None:
+        """Start serving state (as of round `round_`) and join the averaging groups."""
+        swarm = self.cfg.swarm
+        self.p2p = self.loop.run(self.dht.replicate_p2p())
         self.server = StateServer(
             self.p2p,
-            node.opts.run_id,
-            node.config_hash,
+            self.run_id,
+            self.config_hash,
             wire_compression(swarm.wire_compression),
-            swarm_key=node.opts.swarm_key,
+            swarm_key=self.swarm_key,
         )
         self.loop.run(self.server.start())
-        self.shared_avg = self._averager("shared", self._shared_cpu())
-        self.shard_avg = self._averager(f"shard{node.shard}", self._shard_cpu(node.shard))
-        self.shared_outer = self._outer(shared_parameters(node.model))
-        self.shard_outer = self._outer(shard_tensors(node.model, node.shard))
-        self.publish_snapshots()
+        # what is served travels at wire precision anyway: keep the snapshots at that precision, not fp32
+        dtype = torch.float16 if swarm.wire_compression == "fp16" else torch.float32
+        self.publisher = SnapshotPublisher(self.server, self.loop, dtype)
+        self.fetcher = StateFetcher(
+            self.p2p,
+            self.run_id,
+            self.config_hash,
+            timeout=swarm.averaging_timeout,
+            swarm_key=self.swarm_key,
+            me=self.peer_id,
+        )
+        self.shared_avg = self._averager("shared", cpu_copy(shared_parameters(self.model)))
+        for shard in self.shards:
+            self.shard_avgs[shard] = self._averager(
+                f"shard{shard}", cpu_copy(shard_tensors(self.model, shard))
+            )
+        self.reset_outer()
+        self.publish_snapshots(round_)
 
     def _averager(self, group: str, tensors: dict[str, torch.Tensor]) -> GroupAverager:
         """The averager of one group; its key carries the run id and the config hash."""
         swarm = self.cfg.swarm
         return GroupAverager(
-            self.node.dht,
-            f"{self.node.opts.run_id}_{self.node.config_hash[:16]}_{group}",
+            self.dht,
+            f"{self.run_id}_{self.config_hash[:16]}_{group}",
             tensors,
             compression=swarm.wire_compression,
             matchmaking_time=swarm.matchmaking_time,
             allreduce_timeout=swarm.averaging_timeout,
-            client_mode=self.node.opts.client_mode,
+            client_mode=self.client_mode,
             bans=self.bans,
-            swarm_key=self.node.opts.swarm_key,
-            max_weight=float(self.cfg.swarm.sync_steps * self.tokens_per_step()),
+            swarm_key=self.swarm_key,
+            max_weight=float(swarm.sync_steps * tokens_per_step(self.cfg)),
         )
 
-    def tokens_per_step(self) -> int:
-        """The most tokens a node trains on in one step (what bounds a peer's averaging weight)."""
-        train = self.cfg.train
-        return train.micro_batch_size * train.grad_accum * (train.seq_len + 1)
+    def reset_outer(self) -> None:
+        """Outer optimisers that start from the weights as they are now."""
+        self.shared_outer = self._outer(shared_parameters(self.model))
+        self.shard_outers = {shard: self._outer(shard_tensors(self.model, shard)) for shard in self.shards}
 
-    def outer_state_dict(self) -> dict:
-        """The outer optimisers' state, for checkpoints (empty for the plain average)."""
-        return {
-            kind: outer.state_dict()
-            for kind, outer in (("shared", self.shared_outer), ("shard", self.shard_outer))
-            if isinstance(outer, NesterovOuter)
-        }
-
-    def load_outer_state_dict(self, state: dict) -> None:
-        for kind, outer, like in (
-            ("shared", self.shared_outer, shared_parameters(self.node.model)),
-            ("shard", self.shard_outer, shard_tensors(self.node.model, self.node.shard)),
-        ):
-            if isinstance(outer, NesterovOuter) and kind in state:
-                outer.load_state_dict(state[kind], like)
-
-    def _outer(self, start: dict[str, torch.Tensor]):
+    def _outer(self, start: dict[str, torch.Tensor]) -> PlainAverage | NesterovOuter:
         """The outer optimiser of one group, starting from the weights the next round begins with."""
         swarm = self.cfg.swarm
         if swarm.outer_optimizer != "nesterov":
@@ -134,105 +247,84 @@ class SpesRound:
         outer.remember(start)
         return outer
 
-    def _shared_cpu(self) -> dict[str, torch.Tensor]:
-        """An fp32 CPU copy of the shared parameters (never a view of the live weights)."""
-        return _cpu_copy(shared_parameters(self.node.model))
+    def outer_state_dict(self) -> dict:
+        """The outer optimisers' state, for checkpoints (empty for the plain average): "shared", "shard" for the
+        first own shard and "shard:<j>" for further ones."""
+        return {
+            key: outer.state_dict() for key, _, outer in self._outers() if isinstance(outer, NesterovOuter)
+        }
 
-    def _shard_cpu(self, shard: int) -> dict[str, torch.Tensor]:
-        return _cpu_copy(shard_tensors(self.node.model, shard))
+    def load_outer_state_dict(self, state: dict) -> None:
+        for key, shard, outer in self._outers():
+            if isinstance(outer, NesterovOuter) and key in state:
+                like = shared_parameters(self.model) if shard is None else shard_tensors(self.model, shard)
+                outer.load_state_dict(state[key], like)
 
-    def _frozen_snapshot(self, shard: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """A CPU copy of a frozen shard, made again only when the shard's weights changed.
+    def _outers(self) -> list[tuple[str, int | None, PlainAverage | NesterovOuter | None]]:
+        """(checkpoint key, shard or None for the shared parameters, outer optimiser)."""
+        keyed = [("shared", None, self.shared_outer)]
+        for index, shard in enumerate(self.shards):
+            keyed.append(("shard" if index == 0 else f"shard:{shard}", shard, self.shard_outers.get(shard)))
+        return keyed
 
-        Frozen weights are never changed in place: a refresh or merge stores new buffers (`ExpertShard.load_dense`),
-        so the buffers' identity tells whether the last copy is still current. Weak references, so that the cache
-        neither keeps replaced buffers alive nor mistakes a new buffer at a reused address for the old one.
-        """
-        buffers = [b for s in self.node.model.expert_shards(shard) for b in s.buffers()]
-        cached = self._frozen_snapshots.get(shard)
-        if cached is not None:
-            refs, tensors = cached
-            if len(refs) == len(buffers) and all(r() is b for r, b in zip(refs, buffers)):
-                return tensors
-        tensors = _cpu_copy(shard_tensors(self.node.model, shard), dtype)
-        self._frozen_snapshots[shard] = ([weakref.ref(b) for b in buffers], tensors)
-        return tensors
-
-    def publish_snapshots(self, premerge: bool = False) -> None:
-        """Serve the state as it is now: shared parameters and own shard (copies), frozen copies of the rest.
-
-        With `premerge`, the own shard is also served as "premerge:<j>" for this round's merge inputs.
-        """
-        node = self.node
-        round_ = node.status.round
-        # what is served travels at wire precision anyway: keep the snapshots at that precision, not fp32
-        dtype = torch.float16 if self.cfg.swarm.wire_compression == "fp16" else torch.float32
-        parts = {"shared": _cpu_copy(shared_parameters(node.model), dtype)}
-        for shard in range(self.cfg.swarm.num_shards):
-            own = shard == node.shard
-            if own:
-                tensors = _cpu_copy(shard_tensors(node.model, shard), dtype)
-                self._frozen_snapshots.pop(shard, None)
-            else:
-                tensors = self._frozen_snapshot(shard, dtype)
-            parts[f"{'shard' if own else 'copy'}:{shard}"] = tensors
-            self.loop.run(self.server.withdraw(f"{'copy' if own else 'shard'}:{shard}"))
-            if own and premerge:
-                parts[f"premerge:{shard}"] = tensors
-            else:  # a premerge snapshot lives for its round only (slower replicas still fetch it after our merge)
-                stale = self.server.snapshots.get(f"premerge:{shard}")
-                if stale is not None and (not own or stale.round < round_):
-                    self.loop.run(self.server.withdraw(f"premerge:{shard}"))
-        for part, tensors in parts.items():
-            self.loop.run(self.server.publish(part, Snapshot(round_, tensors)))
+    def publish_snapshots(self, round_: int, premerge: bool = False) -> None:
+        """Serve the state as it is now, as of round `round_` (see `snapshots.SnapshotPublisher`); with `premerge`,
+        the own shards also as this round's merge inputs."""
+        model = self.model
+        frozen = {
+            shard: FrozenShard(
+                [b for s in model.expert_shards(shard) for b in s.buffers()],
+                lambda shard=shard: shard_tensors(model, shard),
+            )
+            for shard in range(self.cfg.swarm.num_shards)
+            if shard not in self.shards
+        }
+        own = {shard: shard_tensors(model, shard) for shard in self.shards}
+        self.publisher.publish(
+            round_, shared_parameters(model), own, frozen, premerge=self.shards if premerge else ()
+        )
 
     # ------------------------------------------------------------------ the round
 
-    def begin_round(self, overlap: bool) -> None:
-        """Start both all-reduces on a copy of the weights. With `overlap`, training goes on meanwhile and
+    def begin_round(self, inputs: RoundInputs, overlap: bool) -> None:
+        """Start the all-reduces on a copy of the weights. With `overlap`, training goes on meanwhile and
         `complete_round` later applies the average together with the local progress made since."""
-        node = self.node
-        node.status.state = "averaging"
-        node.publish_record()
         self.finish_pending()
-        gather = (node.status.round, node.trainer.step, node.tokens_since_sync)
-        weight = float(max(node.tokens_since_sync, 1))
-        shared_local = shared_parameters(node.model)
-        shard_local = shard_tensors(node.model, node.shard)
-        nodes = records.fetch_nodes(
-            node.dht, node.opts.run_id, self.cfg.swarm.num_shards
-        )  # the round's one read
-        others = self._live_peers(nodes)
-        replicas = {peer: n for peer, n in others.items() if node.shard in n.shards}
+        gather = (inputs.round, inputs.step, inputs.tokens_since_sync)
+        weight = float(max(inputs.tokens_since_sync, 1))
+        shared_local = shared_parameters(self.model)
+        shards_local = {shard: shard_tensors(self.model, shard) for shard in self.shards}
+        others = live_peers(inputs.nodes, self.peer_id, self.bans.active())
         # wait for peers that are about to finish this round, so that a node that fell out of step (a pause, a slow
         # step) meets the others again instead of missing them round after round
         extra = wait_for_peers(
             others,
-            round_=node.status.round,
+            round_=inputs.round,
             sync_steps=self.cfg.swarm.sync_steps,
-            tokens_per_step=self.tokens_per_step(),
+            tokens_per_step=tokens_per_step(self.cfg),
             now=get_dht_time(),
-            # at most one round: the published method waits for everyone (a barrier); we wait for whoever is
-            # expected within a round, and a node slower than that meets the others at a later round
-            cap=self._round_seconds if self._round_seconds else self.cfg.swarm.matchmaking_time,
-            default_tokens_per_s=node.status.tokens_per_s,
+            cap=wait_cap(self._round_seconds, self.cfg.swarm.matchmaking_time),
+            default_tokens_per_s=inputs.me.tokens_per_s,
         )
         logger.info(
-            f"round {node.status.round + 1}: looking for groups ({len(others)} live peers"
+            f"round {inputs.round + 1}: looking for groups ({len(others)} live peers"
             + (f", waiting up to {extra:.1f}s more for peers about to finish" if extra > 0 else "")
             + ")"
         )
-        self._inflight = {
-            "started": time.perf_counter(),
-            "loss": node.end_round_loss(),
-            "nodes": nodes,
-            "shared": self.shared_avg.step(shared_local, weight, gather, extra) if others else None,
-            "shard": self.shard_avg.step(shard_local, weight, gather, extra) if replicas else None,
-            "sent_shared": _clone(shared_local) if overlap else None,
-            "sent_shard": _clone(shard_local) if overlap else None,
-        }
-        if overlap:
-            node.status.state = "training"
+        shard_handles = {}
+        for shard, local in shards_local.items():
+            replicas = any(shard in n.shards for n in others.values())
+            shard_handles[shard] = (
+                self.shard_avgs[shard].step(local, weight, gather, extra) if replicas else None
+            )
+        self._inflight = _Flight(
+            inputs=inputs,
+            started=time.perf_counter(),
+            shared=self.shared_avg.step(shared_local, weight, gather, extra) if others else None,
+            shards=shard_handles,
+            sent_shared=_clone(shared_local) if overlap else None,
+            sent_shards={shard: _clone(local) if overlap else None for shard, local in shards_local.items()},
+        )
 
     def round_in_flight(self) -> bool:
         return self._inflight is not None
@@ -240,169 +332,131 @@ class SpesRound:
     def round_ready(self) -> bool:
         """True when the in-flight round's all-reduces are finished (never blocks)."""
         flight = self._inflight
-        return flight is not None and all(
-            flight[kind] is None or flight[kind][0].done() for kind in ("shared", "shard")
-        )
+        return flight is not None and all(h is None or h[0].done() for h in flight.handles())
 
-    def complete_round(self) -> None:
-        node = self.node
+    def complete_round(self) -> RoundReport:
+        """Apply the averages, then (unless the node is stopping) catch up, refresh, merge, rebalance and settle
+        the data part; returns what changed."""
         flight, self._inflight = self._inflight, None
-        shared_result, shared_avg = self._finish(self.shared_avg, flight["shared"])
-        shard_result, shard_avg = self._finish(self.shard_avg, flight["shard"])
-        for result, averaged, local, sent, outer, kind in (
-            (shared_result, shared_avg, shared_parameters(node.model), flight["sent_shared"], self.shared_outer, "shared"),
-            (shard_result, shard_avg, shard_tensors(node.model, node.shard), flight["sent_shard"], self.shard_outer, "shard"),
-        ):  # fmt: skip
-            node.status.add_bytes(kind, result.bytes_sent, result.bytes_received)
-            apply_outer(outer, local, sent, averaged)
-            self._verified.update(peer for peer in result.peers if peer != node.peer_id)
+        inputs = flight.inputs
+        shared_result, shared_avg = self._finish(self.shared_avg, flight.shared)
+        groups = [
+            (
+                "shared",
+                shared_result,
+                shared_avg,
+                shared_parameters(self.model),
+                flight.sent_shared,
+                self.shared_outer,
+            )
+        ]
+        shard_results = {}
+        for shard, handle in flight.shards.items():
+            result, averaged = self._finish(self.shard_avgs[shard], handle)
+            shard_results[shard] = result
+            local = shard_tensors(self.model, shard)
+            groups.append(
+                ("shard", result, averaged, local, flight.sent_shards[shard], self.shard_outers[shard])
+            )
         # one round further, whatever the group claimed: no peer's claim moves the round (see `progress`)
-        node.status.round += 1
+        report = RoundReport(
+            round=inputs.round + 1,
+            loss=inputs.loss,
+            shards=self.shards,
+            data_part=inputs.data_part,
+            shared_group=shared_result.group_size,
+            shard_groups={shard: r.group_size for shard, r in shard_results.items()},
+            overlapped=flight.sent_shared is not None,
+        )
+        for kind, result, averaged, local, sent, outer in groups:
+            report.add_bytes(kind, result.bytes_sent, result.bytes_received)
+            apply_outer(outer, local, sent, averaged)
+            self.fetcher.vouch(result.peers)
+            report.failed_parts += result.failed_reducers
+            if result.error:
+                report.errors.append(result.error)
         self._round_seconds = time.perf_counter() - self._round_started
         self._round_started = time.perf_counter()
 
-        refreshed, merged, caught_up = 0, False, None
-        if not node.stop_event.is_set():  # a stopping node skips what talks to other peers
-            nodes = flight["nodes"]
-            target = should_catch_up(node.status.round, (n.round for n in self._live_peers(nodes).values()))
+        if not self.stop_event.is_set():  # a stopping node skips what talks to other peers
+            nodes = inputs.nodes
+            target = catch_up_target(report.round, nodes, self.peer_id, self.bans.active())
             if target is not None:
-                caught_up = self.catch_up(nodes, target)
-            refreshed, merged = self._refresh_and_merge(nodes)
-            self.maybe_rebalance(dict(nodes))
-            self.settle_data_part(nodes)
-        seconds = time.perf_counter() - flight["started"]
-        errors = [r.error for r in (shared_result, shard_result) if r.error]
-        self.last_report = {
-            "round": node.status.round,
-            "loss": flight["loss"],
-            "shared_group": shared_result.group_size,
-            "shard_group": shard_result.group_size,
-            "bytes_shared": shared_result.bytes_sent + shared_result.bytes_received,
-            "bytes_shard": shard_result.bytes_sent + shard_result.bytes_received,
-            "seconds": seconds,
-            "overlapped": flight["sent_shared"] is not None,
-            "failed_parts": shared_result.failed_reducers + shard_result.failed_reducers,
-            "errors": errors,
-            "banned": sorted(self.bans.active()),
-            "merged": merged,
-            "refreshed": refreshed,
-            "caught_up": caught_up,
-        }
+                self._catch_up(report, nodes, target)
+            report.refreshed, report.merged = self._refresh_and_merge(nodes, report.round)
+            self._maybe_rebalance(nodes, inputs.me, report.round)
+            report.shards = self.shards
+            report.data_part = next_data_part(nodes, self.peer_id, inputs.data_part) or inputs.data_part
+        report.seconds = time.perf_counter() - flight.started
+        report.banned = sorted(self.bans.active())
+        report.add_bytes("refresh", 0, self.take_refresh_bytes())
+        self.last_report = report.as_dict()
+        self._log(report)
+        return report
+
+    def _log(self, report: RoundReport) -> None:
+        shard_groups = ", ".join(f"shard {s} group {g}" for s, g in report.shard_groups.items())
+        summary = report.as_dict()
         logger.info(
-            f"round {node.status.round} done: loss {flight['loss']:.4f}, shared group {shared_result.group_size}, "
-            f"shard {node.shard} group {shard_result.group_size}, "
-            f"{(self.last_report['bytes_shared'] + self.last_report['bytes_shard']) / 1e6:.2f} MB averaged, "
-            f"{seconds:.1f}s"
-            + (" (overlapped)" if self.last_report["overlapped"] else "")
-            + (", merged" if merged else "")
-            + (f", refreshed {refreshed}" if refreshed else "")
-            + (f", caught up to round {caught_up}" if caught_up is not None else "")
+            f"round {report.round} done: loss {report.loss:.4f}, shared group {report.shared_group}, {shard_groups}, "
+            f"{(summary['bytes_shared'] + summary['bytes_shard']) / 1e6:.2f} MB averaged, {report.seconds:.1f}s"
+            + (" (overlapped)" if report.overlapped else "")
+            + (", merged" if report.merged else "")
+            + (f", refreshed {report.refreshed}" if report.refreshed else "")
+            + (f", caught up to round {report.caught_up}" if report.caught_up is not None else "")
         )
-        for error in errors:
-            logger.warning(f"round {node.status.round}: {error}")
-        node.status.state = "training"
+        for error in report.errors:
+            logger.warning(f"round {report.round}: {error}")
 
-    def _refresh_and_merge(self, nodes: dict) -> tuple[int, bool]:
-        """Refresh frozen experts (in the background) and run the merge warm-up when due; (refreshed, merged)."""
-        node, swarm = self.node, self.cfg.swarm
-        due_refresh = node.status.round % swarm.refresh_every == 0
-        sync_step = node.status.round * swarm.sync_steps
-        due_merge = merge_due(sync_step, swarm.merge_interval, swarm.merge_alpha0, swarm.merge_horizon)
-        # The merge reads every expert as it was before anyone merged: holders serve that state as
-        # "premerge:<j>" for this round only, and every node merges from the same copies, so replicas stay identical.
-        self.publish_snapshots(premerge=due_merge)
-        if due_refresh or due_merge:
-            self.start_refresh(nodes, min_round=node.status.round, kind="premerge" if due_merge else "shard")
-        if not due_merge:
-            return 0, False
-        refreshed = self.finish_pending()
-        self.merge(sync_step)
-        self.publish_snapshots()
-        return refreshed, True
+    def _catch_up(self, report: RoundReport, nodes: dict, target: int) -> None:
+        """Take the swarm's weights (own shards included) after missing rounds."""
+        logger.info(f"round {report.round} is behind the swarm's {target}: taking the swarm's weights")
+        taken = self.take_swarm_state(nodes, report.round, min_round=target)
+        if taken is None:
+            return
+        if taken.round > report.round:
+            report.caught_up = taken.round
+        report.round = taken.round
+        report.state_taken = taken
+        report.add_bytes("state_download", 0, taken.nbytes)
 
-    def catch_up(self, nodes: dict, target: int) -> int | None:
-        """Take the swarm's weights (own shard included) after missing rounds; the round reached, or None."""
-        node = self.node
-        logger.info(f"round {node.status.round} is behind the swarm's {target}: taking the swarm's weights")
-        before = node.status.round
-        self.download_swarm_state(nodes, include_own=True, min_round=target)
-        return node.status.round if node.status.round > before else None
-
-    def _live_peers(self, nodes: dict) -> dict:
-        """Other nodes that may be averaging now; when there are none, the round is a local no-op."""
-        return {
-            peer: n
-            for peer, n in nodes.items()
-            if peer != self.node.peer_id and n.state in records.ACTIVE_STATES and peer not in self.bans
-        }
-
-    def _finish(self, averager: GroupAverager, handle):
+    def _finish(self, averager: GroupAverager, handle) -> tuple[GroupResult, dict | None]:
         if handle is None:
             return GroupResult(1, 0.0, 0, 0), None
         control, _ = handle
         while not control.done():
-            if self.node.stop_event.wait(0.1):
+            if self.stop_event.wait(0.1):
                 control.cancel()
                 break
         return averager.finish(handle)
 
     # ------------------------------------------------------------------ frozen experts
 
-    def _holders(self, nodes: dict, shard: int | None) -> list[str]:
-        """Peers to download a shard from (None: the shared parameters, from anyone), best first."""
-        self._circuits.update({peer: relay.circuits_of(peer, n.maddrs) for peer, n in nodes.items()})
-        servable = {peer: n for peer, n in nodes.items() if relay.serves_state(n)}
-        return rank_holders(
-            servable,
-            shard=shard,
-            me=self.node.peer_id,
-            active_states=records.ACTIVE_STATES,
-            excluded=self.bans.active(),
-            verified=self._verified,
-            failed=self._failed,
-        )
-
     def _expected(self, part: str) -> dict[str, torch.Size]:
         if part == "shared":
-            return {k: v.shape for k, v in shared_parameters(self.node.model).items()}
-        shard = int(part.split(":")[1])
-        return {k: v.shape for k, v in shard_tensors(self.node.model, shard).items()}
+            return {k: v.shape for k, v in shared_parameters(self.model).items()}
+        return {k: v.shape for k, v in shard_tensors(self.model, _shard_of(part)).items()}
 
-    async def _download_from(self, peers: list[str], part: str, min_round: int, exact: bool = False):
-        """`part` from the first of `peers` that serves it at round `min_round` or later (exactly, with `exact`)."""
-        last_error = None
-        for peer in peers:
-            try:
-                download = await download_part(
-                    self.p2p,
-                    PeerID.from_base58(peer),
-                    self.node.opts.run_id,
-                    self.node.config_hash,
-                    part,
-                    self._expected(part),
-                    min_round=min_round,
-                    timeout=self.cfg.swarm.averaging_timeout,
-                    circuits=self._circuits.get(peer, ()),
-                    swarm_key=self.node.opts.swarm_key,
-                )
-                if download.round < min_round or (exact and download.round != min_round):
-                    raise TransferError(
-                        f"{part} from {peer} is of round {download.round}, we asked for {min_round}"
-                    )
-            except TransferError as e:
-                last_error = e
-                self._failed[peer] = self._failed.get(peer, 0) + 1
-                logger.warning(f"download of {part} failed: {e}")
-                continue
-            self._verified.add(peer)
-            self._failed.pop(peer, None)
-            return download
-        raise TransferError(f"no peer could serve {part}: {last_error}")
+    def _refresh_and_merge(self, nodes: dict, round_: int) -> tuple[int, bool]:
+        """Refresh frozen experts (in the background) and run the merge warm-up when due; (refreshed, merged)."""
+        swarm = self.cfg.swarm
+        due_refresh, due_merge = refresh_due(round_, swarm), merge_due_at(round_, swarm)
+        # The merge reads every expert as it was before anyone merged: holders serve that state as
+        # "premerge:<j>" for this round only, and every node merges from the same copies, so replicas stay identical.
+        self.publish_snapshots(round_, premerge=due_merge)
+        if due_refresh or due_merge:
+            self.start_refresh(nodes, min_round=round_, kind="premerge" if due_merge else "shard")
+        if not due_merge:
+            return 0, False
+        refreshed = self.finish_pending()
+        merge_own_experts(self.model, self.shards, round_ * swarm.sync_steps, swarm)
+        self.publish_snapshots(round_)
+        return refreshed, True
 
     def start_refresh(self, nodes: dict, min_round: int, kind: str = "shard") -> None:
-        node = self.node
-        wanted = [s for s in range(self.cfg.swarm.num_shards) if s != node.shard]
-        holders = {shard: self._holders(nodes, shard) for shard in wanted}
+        wanted = [s for s in range(self.cfg.swarm.num_shards) if s not in self.shards]
+        holders = {shard: self.fetcher.holders(nodes, shard, self.bans.active()) for shard in wanted}
+        expected = {shard: self._expected(f"shard:{shard}") for shard in wanted}
 
         async def refresh():
             count = 0
@@ -410,27 +464,37 @@ class SpesRound:
                 if not holders[shard]:
                     continue
                 try:
-                    download = await self._download_from(
-                        holders[shard], f"{kind}:{shard}", min_round, exact=kind == "premerge"
+                    _, download = await self.fetcher.fetch(
+                        holders[shard],
+                        f"{kind}:{shard}",
+                        expected[shard],
+                        min_round,
+                        exact=kind == "premerge",
                     )
                 except TransferError as e:
                     logger.warning(f"refresh of shard {shard} skipped: {e}")
                     continue
-                node.status.add_bytes("refresh", 0, download.nbytes)
                 with self._pending_lock:
+                    self._refresh_bytes += download.nbytes
                     self._pending[shard] = download.tensors
                 count += 1
             return count
 
         self._refresh = self.loop.submit(refresh())
 
+    def take_refresh_bytes(self) -> int:
+        """Bytes the background refreshes downloaded since the last call."""
+        with self._pending_lock:
+            nbytes, self._refresh_bytes = self._refresh_bytes, 0
+        return nbytes
+
     def apply_pending(self) -> int:
         """Load downloaded frozen experts into the model (between steps, on the training thread)."""
         with self._pending_lock:
             pending, self._pending = self._pending, {}
         for shard, tensors in pending.items():
-            if shard != self.node.shard:
-                load_shard_tensors(self.node.model, shard, tensors)
+            if shard not in self.shards:
+                load_shard_tensors(self.model, shard, tensors)
         return len(pending)
 
     def finish_pending(self) -> int:
@@ -440,7 +504,7 @@ class SpesRound:
         if self._refresh is not None:
             deadline = time.monotonic() + self.cfg.swarm.averaging_timeout * self.cfg.swarm.num_shards
             while not self._refresh.done() and time.monotonic() < deadline:
-                if self.node.stop_event.is_set():
+                if self.stop_event.is_set():
                     break
                 try:
                     self._refresh.result(timeout=0.2)
@@ -454,144 +518,197 @@ class SpesRound:
             self._refresh = None
         return self.apply_pending()
 
-    # ------------------------------------------------------------------ merge
-
-    @torch.no_grad()
-    def merge(self, sync_step: int) -> None:
-        swarm, model, shard = self.cfg.swarm, self.node.model, self.node.shard
-        alpha = merge_alpha(sync_step, swarm.merge_alpha0, swarm.merge_horizon)
-        if alpha <= 0:
-            return
-        for layer in model.model.layers:
-            dense = [s.dense() for s in layer.mlp.shards]
-            gate_up = torch.cat([g for g, _ in dense]).float()
-            down = torch.cat([d for _, d in dense]).float()
-            own = layer.mlp.shards[shard]
-            update = list(range(own.start, own.start + own.n))
-            new_gate_up, new_down = merge_layer(gate_up, down, alpha, swarm.merge_topk, update)
-            own.load_dense(
-                new_gate_up[own.start : own.start + own.n], new_down[own.start : own.start + own.n]
-            )
-
     # ------------------------------------------------------------------ joining and moving
 
-    def download_swarm_state(self, nodes: dict, include_own: bool, min_round: int = 0) -> None:
-        """Take the swarm's current weights: shared parameters, every shard (own shard only if `include_own`),
-        each of round `min_round` or later."""
-        node = self.node
+    def take_swarm_state(
+        self, nodes: Mapping[str, records.NodeInfo], round_: int, min_round: int = 0, include_own: bool = True
+    ) -> StateTaken | None:
+        """Take the swarm's current weights: shared parameters and every shard (own shards only if `include_own`),
+        each of round `min_round` or later. `round_`: the node's round now. None if not even the shared
+        parameters could be had (the model is then unchanged)."""
         start = time.perf_counter()
-        total = 0
-        shared_peers = self._holders(nodes, None)
+        excluded = self.bans.active()
+        shared_peers = self.fetcher.holders(nodes, None, excluded)
         if not shared_peers:
-            return
+            return None
         try:
-            shared = self.loop.run(self._download_from(shared_peers, "shared", min_round))
+            _, shared = self.loop.run(
+                self.fetcher.fetch(shared_peers, "shared", self._expected("shared"), min_round)
+            )
         except TransferError as e:
             logger.warning(f"starting from local weights: {e}")
-            return
+            return None
         with torch.no_grad():
-            for name, p in shared_parameters(node.model).items():
+            for name, p in shared_parameters(self.model).items():
                 p.copy_(shared.tensors[name])
-        total += shared.nbytes
-        node.status.round = max(node.status.round, shared.round)
+        total = shared.nbytes
+        round_ = max(round_, shared.round)
         for shard in range(self.cfg.swarm.num_shards):
-            if shard == node.shard and not include_own:
+            if shard in self.shards and not include_own:
                 continue
-            peers = self._holders(nodes, shard)
-            part = f"shard:{shard}"
-            if not peers:
-                peers, part = shared_peers, f"copy:{shard}"
+            peers, part = self.fetcher.sources(nodes, shard, excluded)
             try:
-                download = self.loop.run(self._download_from(peers, part, min_round))
+                _, download = self.loop.run(self.fetcher.fetch(peers, part, self._expected(part), min_round))
             except TransferError as e:
                 logger.warning(f"shard {shard} keeps its local weights: {e}")
                 continue
-            load_shard_tensors(node.model, shard, download.tensors)
+            load_shard_tensors(self.model, shard, download.tensors)
             total += download.nbytes
-        node.trainer.step = max(node.trainer.step, node.status.round * self.cfg.swarm.sync_steps)
-        node.status.add_bytes("state_download", 0, total)
-        self.shared_outer = self._outer(shared_parameters(node.model))
-        self.shard_outer = self._outer(shard_tensors(node.model, node.shard))
-        self.publish_snapshots()
-        node.join_seconds = time.perf_counter() - start
+        self.reset_outer()
+        self.publish_snapshots(round_)
+        taken = StateTaken(round_, round_ * self.cfg.swarm.sync_steps, total, time.perf_counter() - start)
         logger.info(
-            f"downloaded the swarm state ({total / 1e6:.2f} MB) in {node.join_seconds:.1f}s, round {node.status.round}"
+            f"downloaded the swarm state ({total / 1e6:.2f} MB) in {taken.seconds:.1f}s, round {round_}"
         )
+        return taken
 
-    def settle_data_part(self, nodes: dict | None = None) -> None:
-        """Move to another data part if a node with a smaller peer id reads ours, or narrow or widen ours as nodes
-        come and go (`sharding.data_part`).
-
-        `nodes`: the swarm's records, if just read; our own is ignored."""
-        node, swarm = self.node, self.cfg.swarm
-        if nodes is None:
-            nodes = records.fetch_nodes(node.dht, node.opts.run_id, swarm.num_shards)
-        nodes = {peer: n for peer, n in nodes.items() if peer != node.peer_id}
-        current = node.data_part[0]
-        part, num_parts = data_part(nodes, node.peer_id, current=current)
-        if (part, num_parts) == tuple(node.data_part):
+    def _maybe_rebalance(self, nodes: dict, me: records.NodeInfo, round_: int) -> None:
+        """Move to an under-replicated shard if this node is the one to move (`rebalance_move`)."""
+        move = rebalance_move(nodes, me, self.shards, self.cfg.swarm)
+        if move is None:
             return
-        if part == current:
-            logger.info(
-                f"data part {part}: {num_parts} parts instead of {node.data_part[1]} (nodes came or went)"
-            )
-        else:
-            logger.info(f"data part {current} is also read by a node with a smaller peer id: taking {part}")
-        node.batcher.set_part(part, num_parts)
-        # announced by the next heartbeat: a DHT store here would delay this node's next step
-        node.data_part = (part, num_parts)
-
-    def maybe_rebalance(self, nodes: dict) -> None:
-        """`nodes`: the swarm's records as just read (changed here)."""
-        node, swarm = self.node, self.cfg.swarm
-        nodes[node.peer_id] = node.node_info()
-        new = plan_rebalance(nodes, node.peer_id, swarm.num_shards, swarm.replication_target)
-        if new is None or new == node.shard:
-            return
-        peers = self._holders(nodes, new)
-        part = f"shard:{new}"
-        if not peers:
-            peers, part = self._holders(nodes, None), f"copy:{new}"
+        old, new = move
+        peers, part = self.fetcher.sources(nodes, new, self.bans.active())
         try:
-            download = self.loop.run(self._download_from(peers, part, 0)) if peers else None
+            download = (
+                self.loop.run(self.fetcher.fetch(peers, part, self._expected(part)))[1] if peers else None
+            )
         except TransferError as e:
             logger.warning(f"not moving to shard {new}: {e}")
             return
-        logger.info(f"moving from shard {node.shard} to under-replicated shard {new}")
-        old = node.shard
-        node.trainer.set_ownership([new])
+        logger.info(f"moving from shard {old} to under-replicated shard {new}")
+        shards = tuple(new if s == old else s for s in self.shards)
+        if self.set_ownership is not None:
+            self.set_ownership(list(shards))
         if download is not None:
-            load_shard_tensors(node.model, new, download.tensors)
-        node.shard = new
-        self.shard_avg.shutdown()
-        self.shard_avg = self._averager(f"shard{new}", self._shard_cpu(new))
-        self.shard_outer = self._outer(shard_tensors(node.model, new))
-        self.publish_snapshots()  # the data part is the node's, whatever its shard: it stays
-        node.publish_record()
+            load_shard_tensors(self.model, new, download.tensors)
+        self.shards = shards
+        self.shard_avgs.pop(old).shutdown()
+        self.shard_avgs[new] = self._averager(f"shard{new}", cpu_copy(shard_tensors(self.model, new)))
+        self.shard_outers.pop(old, None)
+        self.shard_outers[new] = self._outer(shard_tensors(self.model, new))
+        self.publish_snapshots(round_)  # the data part is the node's, whatever its shard: it stays
         logger.info(f"now training shard {new} (was {old})")
 
     def helper_processes(self) -> list:
         """The averager processes (to be killed if they do not stop)."""
-        return [a.averager for a in (self.shared_avg, self.shard_avg) if a is not None]
+        return [a.averager for a in (self.shared_avg, *self.shard_avgs.values()) if a is not None]
 
     def shutdown(self) -> None:
         if self._refresh is not None:
             self._refresh.cancel()
-        for averager in (self.shared_avg, self.shard_avg):
+        for averager in (self.shared_avg, *self.shard_avgs.values()):
             if averager is not None:
                 averager.shutdown()
         try:
-            self.loop.run(self.server.stop(), timeout=2)
-            self.loop.run(self.p2p.shutdown(), timeout=2)
+            if self.server is not None:
+                self.loop.run(self.server.stop(), timeout=2)
+            if self.p2p is not None:
+                self.loop.run(self.p2p.shutdown(), timeout=2)
         except Exception as e:
             logger.debug(f"p2p shutdown: {e}")
         self.loop.stop()
 
 
-def _cpu_copy(
-    tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
-) -> dict[str, torch.Tensor]:
-    return {name: t.detach().to("cpu", dtype, copy=True) for name, t in tensors.items()}
+# ---------------------------------------------------------------------------------------------- decisions
+
+
+def tokens_per_step(cfg: SpesConfig) -> int:
+    """The most tokens a node trains on in one step (what bounds a peer's averaging weight)."""
+    train = cfg.train
+    return train.micro_batch_size * train.grad_accum * (train.seq_len + 1)
+
+
+def live_peers(nodes: Mapping[str, records.NodeInfo], me: str, banned: Iterable[str] = ()) -> dict:
+    """Other nodes that may be averaging now; when there are none, the round is a local no-op."""
+    banned = set(banned)
+    return {
+        peer: n
+        for peer, n in nodes.items()
+        if peer != me and n.state in records.ACTIVE_STATES and peer not in banned
+    }
+
+
+def catch_up_target(
+    round_: int, nodes: Mapping[str, records.NodeInfo], me: str, banned: Iterable[str] = ()
+) -> int | None:
+    """The round to catch up to after completing `round_`: the consensus of the other live, unbanned nodes when
+    it is more than one round ahead (`progress.should_catch_up`), else None."""
+    return should_catch_up(round_, (n.round for n in live_peers(nodes, me, banned).values()))
+
+
+def wait_cap(last_round_seconds: float | None, matchmaking_time: float) -> float:
+    """How long a round may wait for peers about to finish: at most one round (ours, as the last one took).
+
+    The published method waits for everyone (a barrier); we wait for whoever is expected within a round, and a
+    node slower than that meets the others at a later round. Before a first round: the matchmaking window."""
+    return last_round_seconds if last_round_seconds else matchmaking_time
+
+
+def refresh_due(round_: int, swarm: SwarmConfig) -> bool:
+    """Frozen experts are refreshed after every `refresh_every`-th round."""
+    return round_ % swarm.refresh_every == 0
+
+
+def merge_due_at(round_: int, swarm: SwarmConfig) -> bool:
+    """The merge warm-up runs after round `round_` (at sync step round x H) when its schedule says so."""
+    return merge_due(round_ * swarm.sync_steps, swarm.merge_interval, swarm.merge_alpha0, swarm.merge_horizon)
+
+
+def next_data_part(
+    nodes: Mapping[str, records.NodeInfo], me: str, current: tuple[int, int]
+) -> tuple[int, int] | None:
+    """The data part to read from now on, or None to keep `current` (see `placement.data_part`): another part if a
+    node with a smaller peer id reads ours, the same one narrower or wider as nodes come and go."""
+    others = {peer: n for peer, n in nodes.items() if peer != me}
+    part, num_parts = data_part(others, me, current=current[0])
+    if (part, num_parts) == tuple(current):
+        return None
+    if part == current[0]:
+        logger.info(f"data part {part}: {num_parts} parts instead of {current[1]} (nodes came or went)")
+    else:
+        logger.info(f"data part {current[0]} is also read by a node with a smaller peer id: taking {part}")
+    return part, num_parts
+
+
+def rebalance_move(
+    nodes: Mapping[str, records.NodeInfo], me: records.NodeInfo, shards: tuple[int, ...], swarm: SwarmConfig
+) -> tuple[int, int] | None:
+    """(shard to leave, shard to take) when this node is the one to move to an under-replicated shard, else None.
+
+    `nodes`: the swarm's records; ours is replaced by `me`. The shard left is the most replicated of ours."""
+    view = dict(nodes)
+    view[me.peer_id] = me
+    new = plan_rebalance(view, me.peer_id, swarm.num_shards, swarm.replication_target)
+    if new is None or new in shards or not shards:
+        return None
+    counts = replica_counts(view, swarm.num_shards)
+    old = min(shards, key=lambda shard: (-counts[shard], shard))
+    return old, new
+
+
+@torch.no_grad()
+def merge_own_experts(
+    model: MoEForCausalLM, shards: Iterable[int], sync_step: int, swarm: SwarmConfig
+) -> None:
+    """The expert-merging warm-up on the experts of `shards`, from every expert's current (pre-merge) weights."""
+    alpha = merge_alpha(sync_step, swarm.merge_alpha0, swarm.merge_horizon)
+    if alpha <= 0:
+        return
+    shards = list(shards)
+    for layer in model.model.layers:
+        dense = [s.dense() for s in layer.mlp.shards]
+        gate_up = torch.cat([g for g, _ in dense]).float()
+        down = torch.cat([d for _, d in dense]).float()
+        own = [layer.mlp.shards[shard] for shard in shards]
+        update = [i for s in own for i in range(s.start, s.start + s.n)]
+        new_gate_up, new_down = merge_layer(gate_up, down, alpha, swarm.merge_topk, update)
+        for s in own:
+            s.load_dense(new_gate_up[s.start : s.start + s.n], new_down[s.start : s.start + s.n])
+
+
+def _shard_of(part: str) -> int:
+    return int(part.split(":")[1])
 
 
 def _clone(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,115 @@
+"""Fetching state from the swarm: which peers to ask (`progress.rank_holders`), falling back to the next holder and,
+for a shard nobody holds, to the frozen copies others keep ("copy:<j>"), through relays where a peer takes no
+direct connections. The round (refresh, catch-up, rebalance), joiners and `export --peers` share it.
+
+The fetcher remembers which peers proved themselves (they served us valid state, or averaged with us) and which
+failed us (asked last next time), and never takes a part older than the round it asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Mapping
+
+import torch
+from hivemind.p2p import P2P, PeerID
+
+from spes_node.swarm import relay
+from spes_node.swarm.progress import rank_holders
+from spes_node.swarm.records import ACTIVE_STATES, NodeInfo
+from spes_node.swarm.swarm_key import SwarmKey
+from spes_node.swarm.transfer import Download, TransferError, download_part
+
+logger = logging.getLogger(__name__)
+
+Shapes = Mapping[str, torch.Size]
+
+
+class StateFetcher:
+    """Downloads parts of the model state ("shared", "shard:<j>", "copy:<j>", "premerge:<j>") from live peers."""
+
+    def __init__(
+        self,
+        p2p: P2P,
+        run_id: str,
+        config_hash: str,
+        *,
+        timeout: float,
+        swarm_key: SwarmKey | None = None,
+        me: str = "",
+    ):
+        self.p2p, self.run_id, self.config_hash = p2p, run_id, config_hash
+        self.timeout, self.swarm_key, self.me = timeout, swarm_key, me
+        self.verified: set[str] = set()
+        """Peers that proved themselves: they served us valid state or averaged with us."""
+        self.failed: dict[str, int] = {}
+        """Peers whose downloads failed, with how often; they are asked last."""
+        self.circuits: dict[str, list[str]] = {}
+        """Relay addresses of peers that take no direct connections, from their last records."""
+
+    def vouch(self, peers: Collection[str]) -> None:
+        """Peers that averaged with us: asked first."""
+        self.verified.update(peer for peer in peers if peer != self.me)
+
+    def holders(
+        self, nodes: Mapping[str, NodeInfo], shard: int | None, excluded: Collection[str] = ()
+    ) -> list[str]:
+        """Peers to download a shard from (None: the shared parameters, from anyone), best first."""
+        self.learn_circuits(nodes)
+        servable = {peer: n for peer, n in nodes.items() if relay.serves_state(n)}
+        return rank_holders(
+            servable,
+            shard=shard,
+            me=self.me,
+            active_states=ACTIVE_STATES,
+            excluded=excluded,
+            verified=self.verified,
+            failed=self.failed,
+        )
+
+    def learn_circuits(self, nodes: Mapping[str, NodeInfo]) -> None:
+        """Remember the relay addresses the records give for peers that take no direct connections."""
+        self.circuits.update({peer: relay.circuits_of(peer, n.maddrs) for peer, n in nodes.items()})
+
+    def sources(
+        self, nodes: Mapping[str, NodeInfo], shard: int, excluded: Collection[str] = ()
+    ) -> tuple[list[str], str]:
+        """(peers, part) for a shard: its holders and "shard:<j>", or, without any, every server and "copy:<j>"."""
+        peers = self.holders(nodes, shard, excluded)
+        if peers:
+            return peers, f"shard:{shard}"
+        return self.holders(nodes, None, excluded), f"copy:{shard}"
+
+    async def fetch(
+        self, peers: list[str], part: str, expected: Shapes, min_round: int = 0, exact: bool = False
+    ) -> tuple[str, Download]:
+        """(peer, download) of `part` from the first of `peers` that serves it at round `min_round` or later
+        (exactly `min_round`, with `exact`); TransferError when none does."""
+        last_error = None
+        for peer in peers:
+            try:
+                download = await download_part(
+                    self.p2p,
+                    PeerID.from_base58(peer),
+                    self.run_id,
+                    self.config_hash,
+                    part,
+                    expected,
+                    min_round=min_round,
+                    timeout=self.timeout,
+                    circuits=self.circuits.get(peer, ()),
+                    swarm_key=self.swarm_key,
+                )
+                if download.round < min_round or (exact and download.round != min_round):
+                    raise TransferError(
+                        f"{part} from {peer} is of round {download.round}, we asked for {min_round}"
+                    )
+            except TransferError as e:
+                last_error = e
+                self.failed[peer] = self.failed.get(peer, 0) + 1
+                logger.warning(f"download of {part} failed: {e}")
+                continue
+            self.verified.add(peer)
+            self.failed.pop(peer, None)
+            return peer, download
+        raise TransferError(f"no peer could serve {part}: {last_error}")
