@@ -215,6 +215,8 @@ def test_plan_takes_each_shard_from_its_holders_most_advanced_first():
         "C": node_info("C", [0], round_=4),
         "D": node_info("D", [1], state="joining"),
         "E": node_info("E", [1], client=True),
+        # a fake record: no honest holder is that far ahead of the others
+        "F": node_info("F", [1], round_=10**6),
     }
     plan = plan_downloads(nodes, num_shards=2)
     assert plan == {

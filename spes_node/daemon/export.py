@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from spes_node.swarm import relay
+from spes_node.swarm.progress import rank_holders
 from spes_node.swarm.records import ACTIVE_STATES
 
 if TYPE_CHECKING:
@@ -114,25 +115,30 @@ def plan_downloads(
 ) -> dict[str, list[tuple[str, str]]]:
     """For every part of the model ("shared", "shard:<j>"), the (peer, part to request) to try, best first.
 
-    Only nodes that serve state (training or averaging, reachable directly or through a relay) count; the most advanced come
-    first. A shard comes from its holders; with `allow_copies`, a shard without a live holder comes from the
-    frozen copy that every node keeps ("copy:<j>"), which is as old as that node's last refresh.
+    Only nodes that serve state (training or averaging, reachable directly or through a relay) count, and of those
+    only the ones a node would ask (`progress.rank_holders`: a record claiming a round far ahead of the others'
+    is left out); the most advanced come first. A shard comes from its holders; with `allow_copies`, a shard
+    without a live holder comes from the frozen copy that every node keeps ("copy:<j>"), which is as old as that
+    node's last refresh.
     """
-    servers = sorted(
-        (n for n in nodes.values() if n.state in ACTIVE_STATES and relay.serves_state(n)),
-        key=lambda n: (-n.round, -n.step, n.peer_id),
-    )
+    servable = {peer: n for peer, n in nodes.items() if relay.serves_state(n)}
+
+    def ranked(shard: int | None) -> list[str]:
+        peers = rank_holders(servable, shard=shard, me="", active_states=ACTIVE_STATES)
+        return sorted(peers, key=lambda peer: (-servable[peer].round, -servable[peer].step, peer))
+
+    servers = ranked(None)
     if not servers:
         raise ValueError(
             "no live node of the swarm serves its state (all are joining, leaving or unreachable client-mode)"
         )
-    plan = {"shared": [(n.peer_id, "shared") for n in servers]}
+    plan = {"shared": [(peer, "shared") for peer in servers]}
     orphans = []
     for shard in range(num_shards):
-        holders = [(n.peer_id, f"shard:{shard}") for n in servers if shard in n.shards]
+        holders = [(peer, f"shard:{shard}") for peer in ranked(shard)]
         if not holders:
             orphans.append(shard)
-            holders = [(n.peer_id, f"copy:{shard}") for n in servers] if allow_copies else []
+            holders = [(peer, f"copy:{shard}") for peer in servers] if allow_copies else []
         plan[f"shard:{shard}"] = holders
     if orphans and not allow_copies:
         listed = ", ".join(map(str, orphans))
@@ -152,7 +158,6 @@ def fetch_swarm_weights(
     """The swarm config and the latest global weights (our names, fp32) assembled from live nodes; `swarm_key`
     (a `SwarmKey`) for a private swarm."""
     import torch
-    from hivemind.p2p import PeerID
 
     from spes_node.aio import LoopThread
     from spes_node.config import SpesConfig
@@ -160,7 +165,8 @@ def fetch_swarm_weights(
     from spes_node.model.ownership import shard_tensors, shared_parameters
     from spes_node.swarm import records
     from spes_node.swarm.client import open_client_dht
-    from spes_node.swarm.transfer import TransferError, download_part
+    from spes_node.swarm.fetch import StateFetcher
+    from spes_node.swarm.transfer import TransferError
 
     dht = open_client_dht(peers, timeout, swarm_key)
     loop, p2p = LoopThread("spes-export"), None
@@ -177,31 +183,20 @@ def fetch_swarm_weights(
         for shard in range(cfg.swarm.num_shards):
             expected[f"shard:{shard}"] = {k: v.shape for k, v in shard_tensors(skeleton, shard).items()}
         p2p = loop.run(dht.replicate_p2p())
+        fetcher = StateFetcher(p2p, run_id, record.config_hash, timeout=timeout, swarm_key=swarm_key)
+        fetcher.learn_circuits(nodes)
         weights: dict[str, torch.Tensor] = {}
         sources = {}
         for part, candidates in plan.items():
-            errors = []
-            for peer, request in candidates:
-                try:
-                    got = loop.run(
-                        download_part(
-                            p2p, PeerID.from_base58(peer), run_id, record.config_hash, request, expected[part],
-                            timeout=timeout, circuits=relay.circuits_of(peer, nodes[peer].maddrs),
-                            swarm_key=swarm_key,
-                        )
-                    )  # fmt: skip
-                except TransferError as e:
-                    logger.warning(f"{request} from {peer} failed: {e}")
-                    errors.append(str(e))
-                    continue
-                weights.update(got.tensors)
-                sources[part] = {"peer_id": peer, "part": request, "round": got.round}
-                break
-            else:
+            request = candidates[0][1]
+            try:
+                peer, got = loop.run(fetcher.fetch([peer for peer, _ in candidates], request, expected[part]))
+            except TransferError as e:
                 raise ValueError(
-                    f"could not download {part} from any of its {len(candidates)} live holders"
-                    + (f" (last error: {errors[-1]})" if errors else "")
-                )
+                    f"could not download {part} from any of its {len(candidates)} live holders (last error: {e})"
+                ) from None
+            weights.update(got.tensors)
+            sources[part] = {"peer_id": peer, "part": request, "round": got.round}
     finally:
         if p2p is not None:
             try:
