@@ -244,12 +244,14 @@ class HostSwarm(Swarm):
         env: dict[str, str] | None = None,
         key: bool = True,
         node_dir: str | None = None,
+        program: tuple[str, ...] = ("-m", "spes_node.cli"),
     ) -> subprocess.Popen:
-        """Start node `name` (its log: `name`.log) with the checkpoint dir `node_dir` (default: `name`)."""
+        """Start node `name` (its log: `name`.log) with the checkpoint dir `node_dir` (default: `name`); `program`:
+        what python runs (a test-only entry point, for example)."""
         node_dir = self.tmp / (node_dir or name)
         node_dir.mkdir(exist_ok=True)
         cmd = [
-            sys.executable, "-m", "spes_node.cli", "join", "--run-id", self.run_id, "--peers", self.maddr,
+            sys.executable, *program, "join", "--run-id", self.run_id, "--peers", self.maddr,
             "--config", str(self.config_path), "--checkpoint-dir", str(node_dir), "--device", "cpu",
             "--host-maddrs", host.maddr() if host else "/ip4/127.0.0.1/tcp/0", "--public-name", name,
         ]  # fmt: skip

@@ -6,6 +6,7 @@ import asyncio
 import json
 import signal
 from functools import partial
+from pathlib import Path
 
 import hivemind
 import pytest
@@ -24,19 +25,18 @@ from spes_node.swarm import records
 from spes_node.swarm.averaging import valid_gather
 from spes_node.swarm.identity import peer_id_of
 from spes_node.swarm.robust import (
-    FAULT_ENV,
     BanList,
     RobustAverager,
     RobustPartReducer,
     RobustPolicy,
     check_result,
-    inject_fault,
     open_gathered,
     robust_mean,
 )
 from spes_node.swarm.swarm_key import SwarmKey, load_swarm_key
 
 SHAPE = torch.Size([64, 8])
+FAULTY_NODE = Path(__file__).parent / "faulty_node.py"
 
 
 def _honest(n: int, seed: int = 0, spread: float = 0.01) -> list[torch.Tensor]:
@@ -170,22 +170,6 @@ def test_ban_list_expires_and_stays_bounded(monkeypatch):
     assert bans.active() == {} and "c" not in bans
 
 
-@pytest.mark.parametrize("fault", ["nan", "inf", "huge"])
-def test_fault_injection_corrupts_contributions(monkeypatch, fault):
-    tensors = [torch.ones(10), torch.zeros(3)]
-    inject_fault(tensors)
-    assert all(torch.equal(t, e) for t, e in zip(tensors, [torch.ones(10), torch.zeros(3)]))
-    monkeypatch.setenv(FAULT_ENV, fault)
-    inject_fault(tensors)
-    if fault == "huge":
-        assert all(torch.isfinite(t).all() and t.norm() > 1e3 for t in tensors)
-    else:
-        assert not any(torch.isfinite(t).any() for t in tensors)
-    monkeypatch.setenv(FAULT_ENV, "bogus")
-    with pytest.raises(ValueError, match=FAULT_ENV):
-        inject_fault(tensors)
-
-
 def test_gathered_round_info_is_validated():
     assert valid_gather((3, 150, 5120)) and valid_gather([0, 0, 0])
     for bad in [
@@ -287,7 +271,7 @@ def test_bad_peer_cannot_drag_honest_weights_and_is_ignored_afterwards(host_swar
     honest = ["h0", "h1", "h2"]
     for name in honest:
         swarm.start(name, "--max-rounds", "4", "--wait-peers", "4")
-    swarm.start("bad", "--wait-peers", "4", env={FAULT_ENV: fault})
+    swarm.start("bad", "--wait-peers", "4", program=(str(FAULTY_NODE), fault))
     swarm.expected_deaths.add("bad")
     for name in honest:
         assert swarm.wait_exit(name, 300) == 0, swarm.log(name)[-3000:]

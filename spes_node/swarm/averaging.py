@@ -17,7 +17,7 @@ import torch
 from hivemind import DHT
 from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
 
-from spes_node.swarm.robust import BanList, GroupOutcome, RobustAverager, RobustPolicy, inject_fault
+from spes_node.swarm.robust import BanList, GroupOutcome, RobustAverager, RobustPolicy
 from spes_node.swarm.swarm_key import SwarmKey
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,6 @@ class GroupAverager:
         with self.averager.get_tensors() as buffers:
             for buffer, name in zip(buffers, self.names):
                 buffer.copy_(tensors[name].detach())
-            inject_fault(buffers)
         self.averager.set_banned(self.bans.active())
         start = time.perf_counter()
         control = self.averager.step(

@@ -41,9 +41,6 @@ reference norm) and each weight capped at `weight_cap` times the group's lower-m
 
 A part is reduced once, by its reducer, and every member receives that result, so replicas stay identical
 whatever the rule; the rule only decides how far one peer can pull them.
-
-Fault injection for tests: `SPES_FAULT=nan|inf|huge` (read by `inject_fault` only) makes a node contribute NaN,
-infinite or huge-norm tensors to every all-reduce.
 """
 
 from __future__ import annotations
@@ -51,7 +48,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import signal
 import threading
 import time
@@ -82,8 +78,6 @@ from spes_node.swarm.swarm_key import SwarmKey
 
 logger = logging.getLogger(__name__)
 
-FAULT_ENV = "SPES_FAULT"
-FAULTS = ("nan", "inf", "huge")
 BAN_SECONDS = 3600.0
 MAX_BANS = 4096
 _TINY = 1e-12
@@ -581,21 +575,3 @@ class BanList:
         now = time.monotonic()
         for peer in [p for p, ban in self._bans.items() if ban.until <= now]:
             del self._bans[peer]
-
-
-def inject_fault(tensors: Sequence[torch.Tensor]) -> None:
-    """Test-only: with SPES_FAULT=nan|inf|huge, corrupt what this node contributes to an all-reduce."""
-    fault = os.environ.get(FAULT_ENV)
-    if not fault:
-        return
-    if fault not in FAULTS:
-        raise ValueError(f"{FAULT_ENV}: expected one of {', '.join(FAULTS)}, got {fault!r}")
-    logger.warning(f"fault injection: contributing {fault} tensors to the all-reduce")
-    with torch.no_grad():
-        for tensor in tensors:
-            if fault == "nan":
-                tensor.fill_(float("nan"))
-            elif fault == "inf":
-                tensor.fill_(float("inf"))
-            else:
-                tensor.normal_().mul_(1e4)
