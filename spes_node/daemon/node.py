@@ -21,7 +21,14 @@ from hivemind.dht.crypto import RSASignatureValidator
 from spes_node import __version__
 from spes_node.config import SpesConfig
 from spes_node.daemon.capacity import ShardRequest, shard_capacity
-from spes_node.daemon.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
+from spes_node.daemon.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    rng_state,
+    set_rng_state,
+    take_snapshot,
+)
+from spes_node.daemon.checkpoint_writer import CheckpointWriter, frozen_expert_names, without_frozen_experts
 from spes_node.daemon.data import TokenBatcher, validation_batches
 from spes_node.daemon.metrics import NodeMetrics
 from spes_node.daemon.placement import assign_joiners, data_part
@@ -31,7 +38,7 @@ from spes_node.devices import resolve_device
 from spes_node.errors import SpesError
 from spes_node.files import write_text_atomic
 from spes_node.model.moe import MoEForCausalLM
-from spes_node.model.ownership import apply_ownership
+from spes_node.model.ownership import apply_ownership, owned_shards
 from spes_node.model.tokenizer import load_tokenizer
 from spes_node.procs import NodeDHT, kill_tree
 from spes_node.swarm import records, relay
@@ -45,6 +52,9 @@ CONFIG_EXPIRATION_S = 3600.0
 CONFIG_REPUBLISH_S = 600.0
 SHUTDOWN_S = 12.0
 """A stopping node exits within this (plus the final checkpoint's write)."""
+FINAL_WRITE_WAIT_S = 300.0
+"""A stopping node waits this long for a checkpoint still being written before it writes the final one; past it,
+that write is abandoned (the checkpoint before it stays) and there is no final checkpoint."""
 NETWORK_SHUTDOWN_S = 6.0
 """Of `SHUTDOWN_S`, what is kept for stopping the averagers and the DHT after the record is withdrawn."""
 
@@ -116,7 +126,6 @@ class Node:
         self.first_loss: float | None = None
         self.join_seconds = 0.0
         self.round_reports: list[dict] = []
-        self._saved_step: tuple[int, int] | None = None
         self._resume_rng: dict | None = None
         # set by the startup phases, in this order
         self.validator: RSASignatureValidator | None = None
@@ -129,6 +138,7 @@ class Node:
         self.device: torch.device | None = None
         self.model: MoEForCausalLM | None = None
         self.checkpoints: CheckpointManager | None = None
+        self.checkpoint_writer: CheckpointWriter | None = None
         self.shard: int | None = None
         self.batcher: TokenBatcher | None = None
         self.data_part: tuple[int, int] | None = None
@@ -192,6 +202,7 @@ class Node:
     def _load_checkpoint(self):
         """The newest intact checkpoint of this run, or None."""
         self.checkpoints = CheckpointManager(self.opts.checkpoint_dir, keep=self.cfg.train.keep_checkpoints)
+        self.checkpoint_writer = CheckpointWriter(self.checkpoints)
         try:
             checkpoint = self.checkpoints.latest()
         except CheckpointError as e:
@@ -307,6 +318,29 @@ class Node:
                     f"caught up from round {resumed_round} to the swarm's round {self.status.round} "
                     f"(checkpoint at step {self.trainer.step})"
                 )
+        if checkpoint is not None and not checkpoint.meta.get("frozen_experts", True):
+            if self.status.round == int(checkpoint.meta["round"]):  # a catch-up downloaded them with the rest
+                self._refetch_frozen_experts(nodes)
+
+    def _refetch_frozen_experts(self, nodes: dict) -> None:
+        """Download the frozen experts a checkpoint left out from their holders (the round's refresh), before the
+        first step. A shard no live node holds keeps its initial weights (said in one line): a node that trains it
+        later is refreshed from as usual."""
+        owned = owned_shards(self.model)
+        frozen = [s for s in range(self.cfg.swarm.num_shards) if s not in owned]
+        held = {s for n in nodes.values() if n.state in records.ACTIVE_STATES for s in n.shards}
+        unheld = [s for s in frozen if s not in held]
+        if unheld:
+            logger.warning(
+                f"the checkpoint holds no frozen experts and no live node holds shard(s) {unheld}: "
+                f"they start from their initial weights"
+            )
+        if len(unheld) == len(frozen):
+            return
+        self.sync.start_refresh(nodes, min_round=0)
+        fetched = self.sync.finish_pending()
+        self.status.add_bytes("refresh", 0, self.sync.take_refresh_bytes())
+        logger.info(f"downloaded the frozen experts of {fetched} of {len(frozen) - len(unheld)} held shards")
 
     def _take_state(self, taken: StateTaken | None) -> None:
         """Apply a download of the swarm's state: its round, the step that round implies, bytes, time taken."""
@@ -567,7 +601,17 @@ class Node:
 
     def _resume(self, checkpoint) -> None:
         meta = checkpoint.meta
-        self.model.load_state_dict({k: v for k, v in checkpoint.tensors.items()}, strict=True)
+        # without frozen experts (checkpoint_frozen_experts = false) they keep their initial weights until
+        # `_refetch_frozen_experts` downloads them
+        absent = (
+            set()
+            if meta.get("frozen_experts", True)
+            else frozen_expert_names(self.model.state_dict(), meta["shards"])
+        )
+        loaded = self.model.load_state_dict(checkpoint.tensors, strict=False)
+        if loaded.unexpected_keys or set(loaded.missing_keys) - absent:
+            wrong = sorted(loaded.unexpected_keys) or sorted(set(loaded.missing_keys) - absent)
+            raise NodeError(f"checkpoint {checkpoint.path} does not fit the model (e.g. {wrong[0]})")
         self.trainer.set_ownership([int(s) for s in meta["shards"]])
         if checkpoint.optimizer:
             self.trainer.optimizer = self.trainer._build_optimizer(
@@ -601,7 +645,7 @@ class Node:
         if leaving:
             self.status.state = "leaving"
             try:
-                self.save_checkpoint()
+                self.save_checkpoint(final=True)
             except Exception as e:
                 logger.error(f"final checkpoint failed: {e}")
             self.write_summary()
@@ -630,6 +674,7 @@ class Node:
 
     def train(self) -> None:
         H = self.cfg.swarm.sync_steps
+        self.checkpoint_writer.start_clock(self.trainer.step)
         window_tokens, window_start = 0, time.perf_counter()
         while not self.stop_event.is_set():
             if self.opts.max_rounds is not None and self.rounds_done >= self.opts.max_rounds:
@@ -658,11 +703,8 @@ class Node:
                         f"lr {stats.lr:.2e} grad_norm {stats.grad_norm:.2f} tokens/s {self.status.tokens_per_s:.0f}"
                     )
                     self.metrics.update(self.status, self.sync.last_report, step=self.trainer.step)
-                if (
-                    self.cfg.train.checkpoint_every
-                    and self.trainer.step % self.cfg.train.checkpoint_every == 0
-                ):
-                    self.save_checkpoint()
+                if self.steps_into_round < H:  # at H the round's end checkpoints, when due
+                    self.checkpoint_if_due()
             if self.stop_event.is_set():
                 break
             if self.sync.round_in_flight():
@@ -677,7 +719,8 @@ class Node:
         if self.sync.round_in_flight():
             self._complete_round()
         if self.sync.finish_pending():
-            self._saved_step = None
+            # frozen experts changed: the final checkpoint is not a duplicate of the last one
+            self.checkpoint_writer.key = None
         self.status.add_bytes("refresh", 0, self.sync.take_refresh_bytes())
 
     def _begin_round(self, overlap: bool) -> None:
@@ -704,7 +747,7 @@ class Node:
         self.metrics.update(self.status, self.sync.last_report, step=self.trainer.step)
         self.round_reports.append(self.sync.last_report)
         self.rounds_done += 1
-        self.save_checkpoint()
+        self.checkpoint_if_due(round_end=True)
 
     def _apply_round(self, report: RoundReport) -> None:
         """What the round changed: round, bytes, the trainer's step after a catch-up, shards, data part."""
@@ -733,44 +776,59 @@ class Node:
         self.status.loss_history = (self.status.loss_history + [loss])[-64:]
         return loss
 
-    def save_checkpoint(self) -> None:
-        if self._saved_step == (self.trainer.step, self.status.round):
-            return
-        meta = {
-            "run_id": self.opts.run_id,
-            "peer_id": self.peer_id,
-            "config_hash": self.config_hash,
-            "round": self.status.round,
-            "step": self.trainer.step,
-            "steps_into_round": self.steps_into_round,
-            "tokens_since_sync": self.tokens_since_sync,
-            "tokens": self.status.tokens,
-            "shards": [self.shard],
-            "data_part": list(self.data_part),
-            "data_state": self.batcher.state_dict(),
-            "loss_history": self.status.loss_history,
-            "round_losses": self.round_losses,
-            "rng": rng_state(),
-        }
-        tensors = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-        try:
-            self.checkpoints.save(
-                self.trainer.step,
-                tensors,
-                meta,
-                {"by_name": self.trainer.optimizer_state_by_name(), "outer": self.sync.outer_state_dict()},
+    def checkpoint_if_due(self, round_end: bool = False) -> None:
+        """Checkpoint when `checkpoint_every` steps or `checkpoint_every_minutes` have passed (at a round's end,
+        also when neither is set); see `checkpoint_writer.checkpoint_due`."""
+        train = self.cfg.train
+        step = self.trainer.step
+        if self.checkpoint_writer.due(
+            step, train.checkpoint_every, train.checkpoint_every_minutes, round_end
+        ):
+            self.save_checkpoint()
+
+    def save_checkpoint(self, final: bool = False) -> None:
+        """Snapshot the node's state (the training thread waits only for these CPU copies) and write it in the
+        background; skipped while another write is in flight. `final`: first wait for a write in flight (at most
+        `FINAL_WRITE_WAIT_S`), then for this one."""
+        writer = self.checkpoint_writer
+        if final and not writer.wait(FINAL_WRITE_WAIT_S):
+            logger.error(
+                f"no final checkpoint: the write of step {writer.records[-1].step} did not end within "
+                f"{FINAL_WRITE_WAIT_S:.0f}s and is abandoned; the checkpoint before it is kept"
             )
-        except CheckpointError as e:
-            # a full disk or a directory gone read-only: the previous checkpoint stays intact (writes go to a
-            # temporary directory first); the next checkpoint tries again
-            going_on = "the node is leaving" if self.stop_event.is_set() else "training goes on"
-            try:
-                kept = "the previous checkpoint is kept" if self.checkpoints.list() else "no checkpoint yet"
-            except CheckpointError:
-                kept = "the checkpoint directory cannot be read"
-            logger.error(f"checkpoint of step {self.trainer.step} not written ({e}); {kept} and {going_on}")
             return
-        self._saved_step = (self.trainer.step, self.status.round)
+        with_frozen = self.cfg.train.checkpoint_frozen_experts
+
+        def take():
+            meta = {
+                "run_id": self.opts.run_id,
+                "peer_id": self.peer_id,
+                "config_hash": self.config_hash,
+                "round": self.status.round,
+                "step": self.trainer.step,
+                "steps_into_round": self.steps_into_round,
+                "tokens_since_sync": self.tokens_since_sync,
+                "tokens": self.status.tokens,
+                "shards": [self.shard],
+                "frozen_experts": with_frozen,
+                "data_part": list(self.data_part),
+                "data_state": self.batcher.state_dict(),
+                "loss_history": self.status.loss_history,
+                "round_losses": self.round_losses,
+                "rng": rng_state(),
+            }
+            tensors = self.model.state_dict()
+            if not with_frozen:
+                tensors = without_frozen_experts(tensors, owned_shards(self.model))
+            optimizer = {
+                "by_name": self.trainer.optimizer_state_by_name(),
+                "outer": self.sync.outer_state_dict(),
+            }
+            return take_snapshot(self.trainer.step, tensors, meta, optimizer)
+
+        writer.submit(take, key=(self.trainer.step, self.status.round))
+        if final:
+            writer.wait()
 
     def write_summary(self) -> None:
         """A small JSON beside the checkpoints: what `simulate` and the benchmarks read after the node exits."""
