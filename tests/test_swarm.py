@@ -21,8 +21,8 @@ SWARM_TEST = {"averaging_timeout": 20.0}
 def swarm_factory(tmp_path):
     made = []
 
-    def make(**kwargs) -> Swarm:
-        made.append(Swarm(tmp_path, **{**SWARM_TEST, **kwargs}))
+    def make(directory: Path | None = None, **kwargs) -> Swarm:
+        made.append(Swarm(directory or tmp_path, **{**SWARM_TEST, **kwargs}))
         return made[-1]
 
     yield make
@@ -47,18 +47,30 @@ def _assert_close(a: dict, b: dict, what: str) -> None:
         )
 
 
-def test_four_nodes_two_replicas_agree_after_rounds(swarm_factory):
+def test_four_nodes_two_replicas_agree_after_rounds(swarm_factory, tmp_path):
     # H = 5 and merge_interval = 10: the merge warm-up runs at round 2, round 3 is a plain round whose refresh
     # brings every frozen copy up to date. The weights agree only if the last round had everyone in it: a
     # matchmaking window of 6 s (instead of 2) lets a node that a loaded machine slowed down still make it.
-    swarm = swarm_factory(num_shards=2, merge_interval=10, matchmaking_time=6.0)
     names = [f"n{i}" for i in range(4)]
-    for name in names:
-        swarm.start(name, "--max-rounds", "3", "--wait-peers", "4")
-    for name in names:
-        assert swarm.wait_exit(name, 240) == 0, swarm.log(name)[-3000:]
+    for attempt in range(2):
+        attempt_dir = tmp_path / f"attempt{attempt}"
+        attempt_dir.mkdir()
+        swarm = swarm_factory(attempt_dir, num_shards=2, merge_interval=10, matchmaking_time=6.0)
+        for name in names:
+            swarm.start(name, "--max-rounds", "3", "--wait-peers", "4")
+        for name in names:
+            assert swarm.wait_exit(name, 240) == 0, swarm.log(name)[-3000:]
+        summaries = {name: swarm.summary(name) for name in names}
+        # A reducer that fails mid all-reduce leaves its part of the vector at each member's local values: the
+        # round says so (`failed_parts`), and the replicas legitimately differ there until the next round. Seen
+        # about once in tens of loaded runs; such a run proves nothing about agreement, so it is run once more.
+        # Nothing else leads to a second run, and every check below applies to the run that is kept.
+        dirty = {name: s["rounds"][-1].get("failed_parts", 0) for name, s in summaries.items()}
+        if not any(dirty.values()) or attempt == 1:
+            break
+        print(f"last round had failed parts {dirty}: running the swarm once more")
+    assert not any(dirty.values()), f"failed parts in the last round of two runs: {dirty}"
 
-    summaries = {name: swarm.summary(name) for name in names}
     by_shard: dict[int, list[str]] = {}
     for name, s in summaries.items():
         by_shard.setdefault(s["shard"], []).append(name)
