@@ -62,11 +62,13 @@ class RecordPeers:
             # a node's peer id derives from its record-signing key, and readers check that (records.py)
             identity = Path(self.keys.name) / f"peer{len(self.peers)}.key"
             validator = RSASignatureValidator(load_or_create_identity(identity))
+            # a serving peer with its own signing key, as a node is (`swarm.client.open_client_dht` opens a
+            # read-only client without one); it validates records as every DHT of the project does
             dht = hivemind.DHT(
                 initial_peers=self.maddrs,
                 host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                 identity_path=str(identity),
-                record_validators=[validator],
+                record_validators=records.record_validators(validator),
                 start=True,
             )
             index = len(self.peers)

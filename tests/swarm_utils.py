@@ -83,12 +83,17 @@ class Swarm:
         self.procs: dict[str, subprocess.Popen] = {}
         self.expected_deaths: set[str] = set()
 
-    def start(self, name: str, *args: str, config: Path | None = None) -> subprocess.Popen:
+    def start(
+        self, name: str, *args: str, config: Path | None = None, configured: bool = True
+    ) -> subprocess.Popen:
+        """Start node `name` with the swarm's config file, `config`, or (not `configured`) none: the node then
+        takes the swarm's config from the DHT."""
         node_dir = self.tmp / name
         node_dir.mkdir(exist_ok=True)
+        config_args = ["--config", str(config or self.config_path)] if configured else []
         cmd = [
             sys.executable, "-m", "spes_node.cli", "join", "--run-id", self.run_id, "--peers", self.maddr,
-            "--config", str(config or self.config_path), "--checkpoint-dir", str(node_dir), "--device", "cpu",
+            *config_args, "--checkpoint-dir", str(node_dir), "--device", "cpu",
             "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--public-name", name, *args,
         ]  # fmt: skip
         with open(self.tmp / f"{name}.log", "w") as log:

@@ -19,7 +19,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
-from swarm_utils import NODE_ENV, Swarm, die_with_parent, spes_cli
+from swarm_utils import NODE_ENV, Swarm, spes_cli
 
 from spes_node.proto import SwarmConfigRecord
 from spes_node.swarm import records
@@ -88,29 +88,6 @@ def _by_name(swarm: Swarm) -> dict[str, records.NodeInfo]:
 
 def _status(swarm: Swarm, *args: str) -> subprocess.CompletedProcess:
     return spes_cli("status", "--peers", swarm.maddr, "--run-id", swarm.run_id, "--json", *args, timeout=180)
-
-
-def _start_unconfigured(swarm: Swarm, name: str, *args: str) -> subprocess.Popen:
-    """`spes-node join` without --preset/--config (what `Swarm.start` always passes): the node takes the swarm's
-    config from the DHT."""
-    node_dir = swarm.tmp / name
-    node_dir.mkdir(exist_ok=True)
-    cmd = [
-        sys.executable, "-m", "spes_node.cli", "join", "--run-id", swarm.run_id, "--peers", swarm.maddr,
-        "--checkpoint-dir", str(node_dir), "--device", "cpu", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-        "--public-name", name, *args,
-    ]  # fmt: skip
-    with open(swarm.tmp / f"{name}.log", "w") as log:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=dict(os.environ, **NODE_ENV),
-            start_new_session=True,
-            preexec_fn=die_with_parent,
-        )
-    swarm.procs[name] = proc
-    return proc
 
 
 @pytest.fixture
@@ -205,7 +182,7 @@ def test_sybil_configs_do_not_outvote_the_anchored_config(swarm):
     swarm.wait_for(lambda: "a" in _by_name(swarm), 180, "the founder's record")
 
     # without an anchor, a joiner takes a config every copy agrees on, and says that it is not anchored
-    _start_unconfigured(swarm, "b")
+    swarm.start("b", configured=False)
     swarm.wait_for(lambda: (n := _by_name(swarm).get("b")) and n.state == "training", 240, "b training")
     assert "taken unanchored" in swarm.log("b") and f"--config-hash {honest}" in swarm.log("b")
     assert records.config_digest((swarm.tmp / "b" / "config.json").read_text()) == honest
@@ -232,7 +209,7 @@ def test_sybil_configs_do_not_outvote_the_anchored_config(swarm):
         assert honest in line and evil in line and "--config-hash" in line, line
 
         # a joiner with the anchor takes the honest config and trains with the honest nodes
-        _start_unconfigured(swarm, "c", "--config-hash", honest)
+        swarm.start("c", "--config-hash", honest, configured=False)
         swarm.wait_for(lambda: (n := _by_name(swarm).get("c")) and n.state == "training", 240, "c training")
         assert records.config_digest((swarm.tmp / "c" / "config.json").read_text()) == honest
         assert "unanchored" not in swarm.log("c")
