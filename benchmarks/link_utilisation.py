@@ -1,30 +1,51 @@
-"""link_utilisation: how much of a shaped link a SPES round uses while it transfers.
+"""link_utilisation: how much of a shaped link averaging uses while it transfers, where the link is the limit.
 
-Each node sits in a network namespace whose link is shaped with tbf to the rate in both directions. Its link
-counters are sampled 20 times a second. In each complete round window (see network_runs) the transfer time T runs
-from the first to the last 50 ms interval in which either direction moved more than 5% of the rate (idle gaps in
-between count). Utilisation = payload of the busier direction / (T x rate), where payload is the node's own
-accounting (all-reduce parts at wire precision plus refresh tensors sent or received): 1.0 means the bottleneck
-direction carried useful bytes at full rate for the whole transfer. Also reported: the same with all bytes on the
-wire, and with T starting when the round's sync begins (so that the matchmaking wait counts).
+Main measurement (`link_allreduce.py`): 3 averaging peers, each in its own network namespace behind a tbf-shaped
+link, all-reduce a vector of tens of millions of values (fp16 on the wire) with `GroupAverager`, at 50 and
+200 Mbit/s and 1 Gbit/s. Nothing else runs in the peers, so the link is the limit as long as the cores keep up;
+the CPU seconds of the peers' processes during each transfer are reported beside the utilisation, so that a
+reader sees where the cores become the limit. The headline `link_utilisation` is the lower of the 50 and
+200 Mbit/s medians.
+
+Second table (`--rounds`, and in the suite): the earlier measurement on whole SPES rounds of 4 full nodes of the
+small preset, where training, refresh and matchmaking share the same cores. Each node sits in a network namespace
+whose link is shaped with tbf to the rate in both directions. In each complete round window (see network_runs)
+the transfer time T runs from the first to the last 50 ms interval in which either direction moved more than 5%
+of the rate (idle gaps in between count). Utilisation = payload of the busier direction / (T x rate), where
+payload is the node's own accounting (all-reduce parts plus refresh tensors sent or received). Also reported: the
+same with all bytes on the wire, and with T starting when the round's sync begins.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import time
 from pathlib import Path
 
+from benchmarks import common
 from benchmarks.bytes_per_round import SETTINGS as BYTES_SETTINGS
 from benchmarks.bytes_per_round import configs
 from benchmarks.common import LoadMonitor, emit, median, table, write_result
-from benchmarks.netns import NetnsUnavailable, check_available
+from benchmarks.link_allreduce import measure
+from benchmarks.link_allreduce import summarize as summarize_allreduce
+from benchmarks.netns import TBF_BURST, TBF_LATENCY, NetnsUnavailable, check_available
 from benchmarks.network_runs import NetworkRun, RoundWindow, run_shaped_swarm
 
 logger = logging.getLogger(__name__)
 
-SETTINGS = {**BYTES_SETTINGS, "rates_mbit": [50, 200]}
+SETTINGS = {
+    "peers": 3,
+    "rates_mbit": [50, 200, 1000],
+    "params_by_rate": {"50": 25_000_000, "200": 50_000_000, "1000": 50_000_000},
+    "steps": 3,
+    "compression": "fp16",
+    "tbf_burst": TBF_BURST,
+    "tbf_latency": TBF_LATENCY,
+    "headline_rates_mbit": [50, 200],
+    "full_nodes": {**BYTES_SETTINGS, "rates_mbit": [50, 200]},
+}
 
 
 def window_utilisation(w: RoundWindow, rate_mbit: float) -> dict | None:
@@ -47,7 +68,7 @@ def window_utilisation(w: RoundWindow, rate_mbit: float) -> dict | None:
     }
 
 
-def summarize(run: NetworkRun) -> dict:
+def summarize_rounds(run: NetworkRun) -> dict:
     per_window = [u for w in run.windows if (u := window_utilisation(w, run.rate_mbit)) is not None]
     if not per_window:
         raise RuntimeError(f"{run.label}: no round moved data")
@@ -64,35 +85,80 @@ def summarize(run: NetworkRun) -> dict:
     }
 
 
-def run(workdir: Path, settings: dict | None = None) -> dict:
-    settings = {**SETTINGS, **(settings or {})}
+def run_allreduce(workdir: Path, settings: dict) -> dict:
+    by_rate = {}
+    for rate in settings["rates_mbit"]:
+        params = settings["params_by_rate"][str(rate)]
+        emit(f"link: {settings['peers']} peers, {params / 1e6:.0f}M values at {rate} Mbit/s ...")
+        measures = measure(
+            rate,
+            params,
+            settings["peers"],
+            settings["steps"],
+            workdir / f"allreduce_{rate}mbit",
+            burst=settings["tbf_burst"],
+            latency=settings["tbf_latency"],
+            compression=settings["compression"],
+        )
+        by_rate[str(rate)] = {"params": params, **summarize_allreduce(measures, rate)}
+    emit(
+        table(
+            [
+                "link",
+                "values",
+                "on wire s",
+                "bytes/rate s",
+                "util. up",
+                "util. down",
+                "wire up",
+                "wire down",
+                "peer cores",
+                "of which p2pd",
+                "all peers",
+                "machine busy",
+            ],
+            [
+                [
+                    f"{rate} Mbit/s",
+                    f"{r['params'] / 1e6:.0f}M",
+                    r["wire_seconds_median"],
+                    r["ideal_seconds_median"],
+                    r["utilisation_up_median"],
+                    r["utilisation_down_median"],
+                    r["utilisation_wire_up_median"],
+                    r["utilisation_wire_down_median"],
+                    r["cpu_cores_busy_median"],
+                    r["cpu_cores_busy_p2pd_median"],
+                    r["peers_cpu_cores_busy_median"],
+                    r["machine_busy_median"],
+                ]
+                for rate, r in by_rate.items()
+            ],
+            title=(
+                f"link utilisation of an all-reduce ({settings['peers']} peers, {settings['compression']}, "
+                f"tbf burst {settings['tbf_burst']}, latency {settings['tbf_latency']}; "
+                f"medians over peers and all-reduces after the first)"
+            ),
+        )
+    )
+    return by_rate
+
+
+def run_rounds(workdir: Path, settings: dict) -> dict:
     cfg = configs(settings)["spes"]
-    try:
-        check_available()
-    except NetnsUnavailable as e:
-        results = {"link_utilisation": None, "reason": f"network namespaces unavailable: {e}"}
-        emit(f"link utilisation: not measured ({results['reason']})")
-        write_result("link_utilisation", settings, results, {})
-        return results
-    with LoadMonitor() as load:
-        by_rate = {
-            str(rate): summarize(
-                run_shaped_swarm(
-                    "spes",
-                    cfg,
-                    settings["num_nodes"],
-                    rate,
-                    settings["rounds"],
-                    workdir / f"spes_{rate}mbit",
-                    settings["timeout_s"],
-                )
+    by_rate = {
+        str(rate): summarize_rounds(
+            run_shaped_swarm(
+                "spes",
+                cfg,
+                settings["num_nodes"],
+                rate,
+                settings["rounds"],
+                workdir / f"spes_{rate}mbit",
+                settings["timeout_s"],
             )
-            for rate in settings["rates_mbit"]
-        }
-    results = {
-        "link_utilisation": min(r["utilisation_median"] for r in by_rate.values()),
-        "by_rate": by_rate,
-        "headline": "the lower of the per-rate medians over nodes and complete rounds",
+        )
+        for rate in settings["rates_mbit"]
     }
     emit(
         table(
@@ -108,19 +174,79 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
                 ]
                 for rate, r in by_rate.items()
             ],
-            title=f"link utilisation (SPES, {settings['preset']}, {settings['num_nodes']} nodes, S={settings['spes_num_shards']})",
+            title=(
+                f"link utilisation of whole rounds (SPES, {settings['preset']}, {settings['num_nodes']} full "
+                f"nodes, S={settings['spes_num_shards']})"
+            ),
         )
     )
-    write_result("link_utilisation", {**settings, "config": cfg.to_dict()}, results, load.summary())
+    return {"by_rate": by_rate, "config": cfg.to_dict()}
+
+
+def run(workdir: Path, settings: dict | None = None, rounds: bool = True, write_latest: bool = False) -> dict:
+    settings = {**SETTINGS, **(settings or {})}
+    try:
+        check_available()
+    except NetnsUnavailable as e:
+        results = {"link_utilisation": None, "reason": f"network namespaces unavailable: {e}"}
+        emit(f"link utilisation: not measured ({results['reason']})")
+        write_result("link_utilisation", settings, results, {})
+        return results
+    with LoadMonitor() as load:
+        by_rate = run_allreduce(workdir, settings)
+        round_results = run_rounds(workdir, settings["full_nodes"]) if rounds else None
+    headline = {
+        r: by_rate[str(r)]["utilisation_median"] for r in settings["headline_rates_mbit"] if str(r) in by_rate
+    } or {r: v["utilisation_median"] for r, v in by_rate.items()}
+    results = {
+        "link_utilisation": min(headline.values()),
+        "headline": (
+            "the lower of the median utilisations (busier direction, averager-counted bytes over time on the "
+            f"wire x rate) at {' and '.join(str(r) for r in headline)} Mbit/s"
+        ),
+        "by_rate": by_rate,
+        "rounds": round_results
+        if round_results is not None
+        else "not run (python -m benchmarks.link_utilisation --rounds runs it)",
+    }
+    write_result("link_utilisation", settings, results, load.summary())
+    if write_latest:
+        update_latest(results)
     return results
+
+
+def update_latest(results: dict) -> None:
+    """Merge the link headline into `latest.json`, keeping every other key."""
+    path = common.RESULTS_DIR / "latest.json"
+    document = json.loads(path.read_text()) if path.exists() else {}
+    value = results["link_utilisation"]
+    document["link_utilisation"] = value
+    document["link_utilisation_by_rate"] = {
+        rate: r["utilisation_median"] for rate, r in results["by_rate"].items()
+    }
+    goal = document.setdefault("goals", {}).setdefault("link_utilisation", {"goal": ">= 0.8"})
+    goal["value"], goal["met"] = value, value is not None and value >= 0.8
+    path.write_text(json.dumps(document, indent=1) + "\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="runs/benchmarks/link_utilisation")
+    parser.add_argument("--rounds", action="store_true", help="also measure whole rounds of 4 full nodes")
+    parser.add_argument("--rates", type=int, nargs="*", help="link rates in Mbit/s (default 50 200 1000)")
+    parser.add_argument("--peers", type=int)
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--no-latest", action="store_true", help="leave latest.json alone")
     args = parser.parse_args()
+    settings = {}
+    if args.rates:
+        settings["rates_mbit"] = args.rates
+    if args.peers:
+        settings["peers"] = args.peers
+    if args.steps:
+        settings["steps"] = args.steps
     started = time.time()
-    run(Path(args.workdir))
+    run(Path(args.workdir), settings, rounds=args.rounds, write_latest=not args.no_latest)
     emit(f"link-utilisation benchmark took {time.time() - started:.0f}s")
 
 

@@ -54,11 +54,27 @@ def check_available() -> None:
         _ip("netns", "del", name, check=False)
 
 
-class ShapedNetwork:
-    """A bridge plus `num_nodes` namespaces, each behind a veth pair shaped to `rate_mbit` (None: unshaped)."""
+TBF_BURST = "64kb"
+"""Default tbf bucket size: what a link may send at line rate after an idle moment."""
+TBF_LATENCY = "50ms"
+"""Default tbf queue: packets that would wait longer than this are dropped (a home router's buffer)."""
 
-    def __init__(self, num_nodes: int, rate_mbit: float | None):
+
+class ShapedNetwork:
+    """A bridge plus `num_nodes` namespaces, each behind a veth pair shaped to `rate_mbit` (None: unshaped).
+
+    `burst` and `latency` are tbf's: the bucket size and how long a packet may queue before it is dropped."""
+
+    def __init__(
+        self,
+        num_nodes: int,
+        rate_mbit: float | None,
+        *,
+        burst: str = TBF_BURST,
+        latency: str = TBF_LATENCY,
+    ):
         self.num_nodes, self.rate_mbit = num_nodes, rate_mbit
+        self.burst, self.latency = burst, latency
         self.tag = f"sb{uuid.uuid4().hex[:5]}"
         self.subnet = self._free_subnet()
         self.bridge = f"{self.tag}br"
@@ -116,9 +132,9 @@ class ShapedNetwork:
             _ip("-n", ns, "link", "set", "lo", "up")
             _ip("-n", ns, "route", "add", "default", "via", self.host_ip)
             if self.rate_mbit:
-                shape = ["root", "tbf", "rate", f"{self.rate_mbit}mbit", "burst", "64kb", "latency", "50ms"]
-                _tc("qdisc", "add", "dev", host, *shape)
-                _tc("qdisc", "add", "dev", inner, *shape, netns=ns)
+                shape = ["tbf", "rate", f"{self.rate_mbit}mbit", "burst", self.burst, "latency", self.latency]
+                _tc("qdisc", "add", "dev", host, "root", *shape)
+                _tc("qdisc", "add", "dev", inner, "root", *shape, netns=ns)
 
     def teardown(self) -> None:
         for ns in reversed(self._created_ns):
