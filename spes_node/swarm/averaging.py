@@ -4,29 +4,58 @@ One `GroupAverager` per group: the shared parameters (every node) and each shard
 contain the run id and the config hash, so a node with another config can never enter a group. The all-reduce is
 hivemind's with a robust reducer and checked results (`robust.py`); peers caught sending bad data are banned in a
 `BanList` that the node's averagers share, and with a swarm key only its holders can enter a group.
+
+**Two modes** (`swarm.average`):
+
+- `weights` (as published): `step(weights, weight, gather)`, then `finish(handle)` returns the group's average
+  of the weights; `outer.apply(local, averaged)` makes it the new weights.
+- `updates`: `step(current, weight, gather, anchor=anchor)` sends the pseudo-gradient `anchor - current` (anchor:
+  the weights at the last sync), then `finish(handle)` returns the group's averaged pseudo-gradient, the same
+  values on every member; `outer.apply_update(local, anchor, update)` writes the new weights (plain:
+  `anchor - update`; Nesterov: DiLoCo's outer step with `update` as the outer gradient) and the caller keeps them
+  as its next anchor. What compression drops is fed back (error feedback, `robust.py`): a residual of 4 bytes per
+  averaged value in shared memory (`GroupAverager.residual_bytes`), on both legs of the all-reduce, so the sum of
+  the averaged updates over rounds tracks the sum of the exact averages within one round's rounding. Wire
+  compression `int8` (`codecs.py`) is meant for this mode.
+
+**Anchors.** Update averaging only converges among members that share their anchor: an update applied to two
+different anchors leaves them as far apart as before. Each member puts a short anchor id into its gathered round
+info, `(round, step, tokens, anchor_id)` (`valid_gather`); `GroupResult.anchors` reports every member's id and
+`GroupResult.shared_anchor` the id if all members had the same one. After a round in which the group shared its
+anchor and every part was averaged (`GroupResult.clean`), every member computes the same next id with
+`next_anchor_id(previous, members, round)`; a member whose round was not clean derives an id that is its own.
+
+**Bytes** in `GroupResult` are the serialized all-reduce messages this member sent and received, counted in the
+averager process (`robust.py`); `estimated_bytes` is hivemind's butterfly formula, an estimate for planning only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import string
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 from hivemind import DHT
-from hivemind.compression import CompressionBase, Float16Compression, NoCompression, Uniform8BitQuantization
 
+from spes_node.swarm.codecs import WIRE_BYTES, wire_compression
 from spes_node.swarm.robust import BanList, GroupOutcome, RobustAverager, RobustPolicy
 from spes_node.swarm.swarm_key import SwarmKey
 
 logger = logging.getLogger(__name__)
 
-WIRE_BYTES = {"none": 4, "fp16": 2, "uint8": 1}
+MODES = ("weights", "updates")
+ANCHOR_ID_CHARS = 32
 
 
-def wire_compression(name: str) -> CompressionBase:
-    return {"none": NoCompression(), "fp16": Float16Compression(), "uint8": Uniform8BitQuantization()}[name]
+def estimated_bytes(numel: int, group_size: int, compression: str) -> int:
+    """Bytes one member sends (and as many it receives) in hivemind's butterfly all-reduce: (n-1)/n of the vector
+    to the reducers and as much back, at the wire precision. An estimate; `GroupResult` has the counted bytes."""
+    return int(2 * (group_size - 1) / group_size * numel * WIRE_BYTES[compression])
 
 
 @dataclass
@@ -34,8 +63,11 @@ class GroupResult:
     group_size: int
     seconds: float
     bytes_sent: int
+    """Serialized all-reduce messages this member sent (0 when no all-reduce completed)."""
     bytes_received: int
+    """Serialized all-reduce messages this member received."""
     peers: dict[str, tuple] = field(default_factory=dict)
+    """Members (ourselves included) -> their round info, `(round, step, tokens[, anchor_id])`."""
     error: str | None = None
     rejected: dict[str, str] = field(default_factory=dict)
     """Peers caught sending bad data in this step (peer id -> why); they are banned from then on."""
@@ -44,9 +76,29 @@ class GroupResult:
     failed_fraction: float = 0.0
     """The share of the vector that kept local values."""
 
+    @property
+    def anchors(self) -> dict[str, str | None]:
+        """Each member's anchor id (None for a member that gave none)."""
+        return {peer: info[3] if len(info) > 3 else None for peer, info in self.peers.items()}
+
+    @property
+    def shared_anchor(self) -> str | None:
+        """The anchor id every member of the group gave, or None if they differ or one gave none."""
+        ids = set(self.anchors.values())
+        return ids.pop() if len(ids) == 1 and None not in ids and self.group_size >= 2 else None
+
+    @property
+    def clean(self) -> bool:
+        """A group formed, it shared its anchor and every part of the vector was averaged: its members hold the
+        same result."""
+        return self.error is None and not self.failed_reducers and self.shared_anchor is not None
+
 
 class GroupAverager:
-    """Averages a fixed list of named tensors with whoever is matchmaking under the same key."""
+    """Averages a fixed list of named tensors with whoever is matchmaking under the same key.
+
+    `average="updates"` averages pseudo-gradients (see the module docstring); `error_feedback=False` turns the
+    residual off (for comparison)."""
 
     def __init__(
         self,
@@ -61,8 +113,12 @@ class GroupAverager:
         bans: BanList | None = None,
         swarm_key: SwarmKey | None = None,
         max_weight: float = math.inf,
+        average: str = "weights",
+        error_feedback: bool = True,
     ):
-        self.prefix, self.names = prefix, list(tensors)
+        if average not in MODES:
+            raise ValueError(f"average: expected one of {MODES}, got {average!r}")
+        self.prefix, self.names, self.average = prefix, list(tensors), average
         self.bans = bans if bans is not None else BanList()
         self.compression_name = compression
         self.numel = sum(t.numel() for t in tensors.values())
@@ -84,17 +140,42 @@ class GroupAverager:
             # local, instead of holding the whole group until the averaging timeout
             next_chunk_timeout=max(2 * matchmaking_time, 5.0),
             shutdown_timeout=2.0,
+            updates=average == "updates",
+            error_feedback=error_feedback,
             start=True,
         )
 
-    def step(self, tensors: dict[str, torch.Tensor], weight: float, gather: tuple, wait_extra: float = 0.0):
-        """Start averaging a copy of `tensors`; returns a handle for `finish`.
+    @property
+    def residual_bytes(self) -> int:
+        """Host memory the error-feedback residual takes (0 without one)."""
+        residual = self.averager.residual
+        return sum(t.numel() * t.element_size() for t in residual) if residual is not None else 0
+
+    def step(
+        self,
+        tensors: dict[str, torch.Tensor],
+        weight: float,
+        gather: tuple,
+        wait_extra: float = 0.0,
+        *,
+        anchor: dict[str, torch.Tensor] | None = None,
+    ):
+        """Start averaging a copy of `tensors` (with updates: of `anchor - tensors`, plus the residual); returns a
+        handle for `finish`.
 
         Matchmaking lasts up to twice the matchmaking window, plus `wait_extra` seconds for peers that are
         expected soon; the all-reduce then has its own timeout."""
+        if (anchor is not None) != (self.average == "updates"):
+            raise ValueError(f"{self.prefix}: an anchor is needed to average updates, and only then")
+        residual = self.averager.residual
         with self.averager.get_tensors() as buffers:
-            for buffer, name in zip(buffers, self.names):
-                buffer.copy_(tensors[name].detach())
+            for i, (buffer, name) in enumerate(zip(buffers, self.names)):
+                if anchor is None:
+                    buffer.copy_(tensors[name].detach())
+                else:
+                    buffer.copy_(anchor[name].detach() - tensors[name].detach())
+                if residual is not None:
+                    buffer.add_(residual[i])
         self.averager.set_banned(self.bans.active())
         start = time.perf_counter()
         control = self.averager.step(
@@ -106,7 +187,8 @@ class GroupAverager:
         return control, start
 
     def finish(self, handle) -> tuple[GroupResult, dict[str, torch.Tensor] | None]:
-        """Wait for the step; returns the averaged tensors, or None when no group formed or the all-reduce failed."""
+        """Wait for the step; returns the averaged tensors (with updates: the averaged pseudo-gradient), or None
+        when no group formed or the all-reduce failed."""
         control, start = handle
         try:
             outcome: GroupOutcome | None = control.result()
@@ -128,12 +210,11 @@ class GroupAverager:
         n = len(peers)
         if n < 2:
             return GroupResult(1, seconds, 0, 0, rejected=rejected), None
-        # hivemind's butterfly all-reduce: each peer sends (n-1)/n of its vector for reduce-scatter and the same
-        # for all-gather, and receives as much; counted at the wire precision.
-        moved = int(2 * (n - 1) / n * self.numel * WIRE_BYTES[self.compression_name])
         with self.averager.get_tensors() as buffers:
             averaged = {name: buffer.clone() for name, buffer in zip(self.names, buffers)}
-        result = GroupResult(n, seconds, moved, moved, peers=peers, rejected=rejected)
+        result = GroupResult(
+            n, seconds, outcome.bytes_sent, outcome.bytes_received, peers=peers, rejected=rejected
+        )
         result.failed_reducers, result.failed_fraction = outcome.failed_reducers, outcome.failed_fraction
         if outcome.failed_reducers:
             result.error = (
@@ -155,6 +236,14 @@ class OuterOptimizer:
     """Turns the group average into the new local weights."""
 
     def apply(self, local: dict[str, torch.Tensor], averaged: dict[str, torch.Tensor]) -> None:
+        """Weights mode: `averaged` is the group's average of the weights."""
+        raise NotImplementedError
+
+    def apply_update(
+        self, local: dict[str, torch.Tensor], anchor: dict[str, torch.Tensor], update: dict[str, torch.Tensor]
+    ) -> None:
+        """Updates mode: write into `local` the new weights from `anchor` (the weights at the last sync) and the
+        group's averaged pseudo-gradient `update` (anchor minus trained weights)."""
         raise NotImplementedError
 
 
@@ -165,6 +254,11 @@ class PlainAverage(OuterOptimizer):
     def apply(self, local, averaged):
         for name, tensor in local.items():
             tensor.copy_(averaged[name])
+
+    @torch.no_grad()
+    def apply_update(self, local, anchor, update):
+        for name, tensor in local.items():
+            tensor.copy_(anchor[name].to(tensor.device) - update[name].to(tensor.device))
 
 
 class NesterovOuter(OuterOptimizer):
@@ -211,11 +305,38 @@ class NesterovOuter(OuterOptimizer):
             tensor.copy_(new)
         self.remember(local)
 
+    @torch.no_grad()
+    def apply_update(self, local, anchor, update):
+        for name, tensor in local.items():
+            grad = update[name].to(tensor.device, torch.float32)
+            v = self.velocity.setdefault(name, torch.zeros_like(grad))
+            v.mul_(self.momentum).add_(grad)
+            tensor.copy_(anchor[name].to(tensor.device) - self.lr * (grad + self.momentum * v))
+        self.remember(local)
+
 
 def valid_gather(value: object) -> bool:
-    """A member's round info: (round, step, tokens since the last sync), non-negative ints of sane size."""
+    """A member's round info: (round, step, tokens since the last sync), non-negative ints of sane size, and
+    optionally its anchor id (1 to 32 lowercase hex digits)."""
     return (
         isinstance(value, (tuple, list))
-        and len(value) == 3
-        and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62 for x in value)
+        and len(value) in (3, 4)
+        and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62 for x in value[:3])
+        and (len(value) == 3 or valid_anchor_id(value[3]))
     )
+
+
+def valid_anchor_id(value: object) -> bool:
+    return (
+        isinstance(value, str)
+        and 0 < len(value) <= ANCHOR_ID_CHARS
+        and all(c in string.hexdigits and not c.isupper() for c in value)
+    )
+
+
+def next_anchor_id(previous: str, members: Iterable[str], round: int) -> str:
+    """The anchor id after a clean round: the same on every member of the group, whatever their order.
+
+    A member whose round was not clean passes only itself as `members`, which gives an id of its own."""
+    text = "\n".join([previous, *sorted(members), str(round)])
+    return hashlib.sha256(text.encode()).hexdigest()[:ANCHOR_ID_CHARS]

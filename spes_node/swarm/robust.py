@@ -46,6 +46,7 @@ whatever the rule; the rule only decides how far one peer can pull them.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import signal
@@ -67,9 +68,10 @@ from hivemind.averaging.partition import (
     TensorPartContainer,
     TensorPartReducer,
 )
+from hivemind.compression import CompressionBase, CompressionInfo, NoCompression, deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -103,6 +105,8 @@ class Aggregate:
     result: torch.Tensor
     rejected: dict[int, str]
     """Index of each rejected part -> why."""
+    own_share: float = 0.0
+    """The share of the result's weight that our own part had (0 when it was not used)."""
 
 
 def check_part(part: Any, shape: torch.Size) -> str | None:
@@ -163,13 +167,15 @@ def robust_mean(
         max=policy.max_weight
     )
     w = w.clamp(max=policy.weight_cap * _lower_median(w)) if _lower_median(w) > 0 else w
+    own_kept = next((k for k, j in enumerate(keep) if valid[j] == own), None)
     if float(w.sum()) <= 0:
-        return Aggregate(center.clone(), rejected)
+        return Aggregate(center.clone(), rejected, own_share=1.0 if own_kept is not None else 0.0)
+    own_share = float(w[own_kept] / w.sum()) if own_kept is not None else 0.0
     kept_distances = distances[keep]
     tau = max(float(kept_distances.sort().values[len(keep) // 2]), policy.min_clip_ratio * reference, _TINY)
     scale = (tau / kept_distances.clamp(min=_TINY)).clamp(max=1.0).double() * w / w.sum()
     shift = ((xs[keep] - center).flatten(1).double() * scale[:, None]).sum(0)
-    return Aggregate((center.flatten().double() + shift).float().reshape(shape), rejected)
+    return Aggregate((center.flatten().double() + shift).float().reshape(shape), rejected, own_share)
 
 
 def check_result(delta: Any, local: torch.Tensor, policy: RobustPolicy = RobustPolicy()) -> str | None:
@@ -187,8 +193,34 @@ def check_result(delta: Any, local: torch.Tensor, policy: RobustPolicy = RobustP
 # ---------------------------------------------------------------------------------------------- hivemind parts
 
 
+class UpdateBroadcast:
+    """A reducer's side of update averaging: the average of each part is compressed once, every member (ourselves
+    included) gets those same bytes, and what the compression dropped goes into our residual at that part.
+
+    The dropped amount is scaled by 1 / (our share of the part's weight), at most the number of senders: our input
+    counts with that share in the next average, so the next average gets it back whole when the group's weights
+    repeat (equal weights: exactly; a member with a small share feeds back less, never a spike)."""
+
+    def __init__(self, compression: CompressionBase, residual_parts: Sequence[torch.Tensor] | None):
+        self.compression, self.residual_parts = compression, residual_parts
+
+    def encode(
+        self, part_index: int, average: torch.Tensor, own_share: float, senders: int
+    ) -> tuple[torch.Tensor, runtime_pb2.Tensor]:
+        """(what every member applies, the message that carries it) for one reduced part."""
+        message = self.compression.compress(average, CompressionInfo.from_tensor(average))
+        value = deserialize_torch_tensor(message)  # the decoder every receiver runs
+        if self.residual_parts is not None:
+            gain = min(1.0 / own_share, float(senders)) if own_share > 0 else 0.0
+            self.residual_parts[part_index].copy_((average - value).reshape(-1) * gain)
+        return value, message
+
+
 class RobustPartReducer(TensorPartReducer):
-    """Collects every sender's copy of the current part and reduces them with `robust_mean`."""
+    """Collects every sender's copy of the current part and reduces them with `robust_mean`.
+
+    With a `broadcast` (update averaging), each part's result is the pair (value, message) of
+    `UpdateBroadcast.encode` instead of a tensor."""
 
     def __init__(
         self,
@@ -198,8 +230,10 @@ class RobustPartReducer(TensorPartReducer):
         local_sender: int | None,
         policy: RobustPolicy,
         on_reject: Callable[[int, str], None],
+        broadcast: UpdateBroadcast | None = None,
     ):
         self.local_sender, self.policy, self.on_reject = local_sender, policy, on_reject
+        self.broadcast = broadcast
         self.contributions: dict[int, tuple[torch.Tensor, float]] = {}
         super().__init__(part_shapes, num_senders)
 
@@ -242,7 +276,11 @@ class RobustPartReducer(TensorPartReducer):
             own=senders.index(self.local_sender) if self.local_sender in senders else None,
             policy=self.policy,
         )
-        self.current_part_future.set_result(aggregate.result)
+        result: Any = aggregate.result
+        if self.broadcast is not None:
+            used = len(senders) - len(aggregate.rejected)
+            result = self.broadcast.encode(self.current_part_index, result, aggregate.own_share, used)
+        self.current_part_future.set_result(result)
         self.reset_accumulators()
         for index, reason in aggregate.rejected.items():
             if senders[index] != self.local_sender:
@@ -250,7 +288,11 @@ class RobustPartReducer(TensorPartReducer):
 
 
 class CheckedPartContainer(TensorPartContainer):
-    """Checks every result a reducer returns before it is added to our weights."""
+    """Checks every result a reducer returns before it is added to our weights.
+
+    With `return_deltas=False` (update averaging) results are the values to apply, not differences. With a
+    `residual` (tensors shaped like ours), each chunk we send stores there what its compression dropped, and a
+    chunk whose reducer fails stores zero (we keep our whole input there)."""
 
     def __init__(
         self,
@@ -258,22 +300,83 @@ class CheckedPartContainer(TensorPartContainer):
         local_index: int,
         policy: RobustPolicy,
         on_bad_result: Callable[[int, str], None],
+        residual: Sequence[torch.Tensor] | None = None,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
         self.local_index, self.policy, self.on_bad_result = local_index, policy, on_bad_result
         self.failed_reducers: set[int] = set()
         """Peers (indices) whose parts we kept at our local values because they did not reduce them."""
+        self.residual_parts_by_peer = self._residual_views(residual) if residual is not None else None
+        """For each peer, views of the residual aligned with our input parts for that peer."""
+        self._kept_from = list(self.num_parts_by_peer)
+        """For each peer, the first part we keep local (its reducer failed); its residual stays zero."""
+        self._residual_lock = threading.Lock()
+
+    def _residual_views(self, residual: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+        # hivemind splits tensor after tensor into parts and deals them to peers in increasing order, so the
+        # peers' parts, one peer after the other, are the parts of the tensors in order
+        parts = [part for queue in self._input_parts_by_peer for part, _ in queue]
+        views, index = [], 0
+        for tensor, local, count in zip(residual, self.local_tensors, self.num_parts_by_tensor):
+            assert tensor.shape == local.shape and tensor.dtype == local.dtype, (
+                "residual does not match the input"
+            )
+            flat, offset = tensor.view(-1), 0
+            for part in parts[index : index + count]:
+                assert part.data_ptr() == local.data_ptr() + offset * local.element_size(), "unexpected split"
+                views.append(flat[offset : offset + part.numel()])
+                offset += part.numel()
+            index += count
+        bounds = [0, *itertools.accumulate(self.num_parts_by_peer)]
+        return [views[start:end] for start, end in zip(bounds, bounds[1:])]
+
+    @torch.no_grad()
+    async def iterate_input_parts_for(self, peer_index: int) -> AsyncIterator[runtime_pb2.Tensor]:
+        if self.residual_parts_by_peer is None:
+            async for message in super().iterate_input_parts_for(peer_index):
+                yield message
+            return
+        assert not self._inputs_consumed_by_peer[peer_index], (
+            "input parts of a given peer are already deallocated."
+        )
+        self._inputs_consumed_by_peer[peer_index] = True
+        items = list(zip(self._input_parts_by_peer[peer_index], self.residual_parts_by_peer[peer_index]))
+        async for message in amap_in_executor(
+            lambda index: self._compress_keeping_residual(peer_index, index, *items[index]),
+            as_aiter(*range(len(items))),
+            max_prefetch=self.prefetch,
+        ):
+            yield message
+
+    def _compress_keeping_residual(
+        self, peer_index: int, part_index: int, part_and_info: tuple, residual: torch.Tensor
+    ) -> runtime_pb2.Tensor:
+        part, info = part_and_info
+        message = self.compression.compress(part, info)
+        dropped = part - deserialize_torch_tensor(message).reshape(part.shape)
+        with self._residual_lock:
+            if part_index < self._kept_from[peer_index]:
+                residual.copy_(dropped)
+        return message
 
     def register_failed_reducer(self, peer_index: int):
         if self._outputs_registered_by_peer[peer_index] < self.num_parts_by_peer[peer_index]:
             self.failed_reducers.add(peer_index)
+        if self.residual_parts_by_peer is not None:
+            with self._residual_lock:
+                first = self._outputs_registered_by_peer[peer_index]
+                self._kept_from[peer_index] = min(self._kept_from[peer_index], first)
+                for residual in self.residual_parts_by_peer[peer_index][first:]:
+                    residual.zero_()
         super().register_failed_reducer(peer_index)
 
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor):
         inputs = self._input_parts_by_peer[peer_index]
         if peer_index != self.local_index and part_index < len(inputs):
-            reason = check_result(part, inputs[part_index][0], self.policy)
+            local = inputs[part_index][0]
+            delta = part if self.return_deltas or check_part(part, local.shape) else part - local
+            reason = check_result(delta, local, self.policy)
             if reason is not None:
                 self.on_bad_result(peer_index, reason)
                 raise AllreduceException(f"rejected a result of peer #{peer_index}: {reason}")
@@ -281,7 +384,12 @@ class CheckedPartContainer(TensorPartContainer):
 
 
 class RobustAllReduceRunner(AllReduceRunner):
-    """hivemind's all-reduce with a robust reducer, checked results, and `ignored` peers at weight 0."""
+    """hivemind's all-reduce with a robust reducer, checked results, and `ignored` peers at weight 0.
+
+    `updates`: every member gets the same compressed average of each part (see the module docstring), and the
+    runner yields values to apply instead of differences. `residual`: tensors shaped like ours that receive what
+    compression drops (`CheckedPartContainer`, `UpdateBroadcast`). `bytes_sent` and `bytes_received` count the
+    serialized messages of the all-reduce, in both roles."""
 
     def __init__(
         self,
@@ -291,6 +399,8 @@ class RobustAllReduceRunner(AllReduceRunner):
         policy: RobustPolicy,
         ignored: Collection[PeerID],
         on_reject: Callable[[PeerID, str], None],
+        updates: bool = False,
+        residual: Sequence[torch.Tensor] | None = None,
         **kwargs,
     ):
         container_kwargs = {
@@ -301,26 +411,39 @@ class RobustAllReduceRunner(AllReduceRunner):
         super().__init__(tensors=tensors, peer_fractions=peer_fractions, **kwargs)
         self._on_reject = on_reject
         self.ignored = frozenset(ignored) - {self.peer_id}
+        self.updates = updates
+        self.bytes_sent = self.bytes_received = 0
+        self._serving = 0
+        self._served = asyncio.Event()
+        self._served.set()
         # hivemind's __init__ built a plain container and reducer: replace both before anything runs
         self.tensor_part_reducer.finished.set()
         index = self.ordered_peer_ids.index(self.peer_id)
         self.tensor_part_container = CheckedPartContainer(
             tensors,
             peer_fractions,
-            return_deltas=True,
+            return_deltas=not updates,
             local_index=index,
             policy=policy,
             on_bad_result=self._reject_reducer,
+            residual=residual,
             **container_kwargs,
         )
         self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(index)
         senders = self.sender_peer_ids
+        broadcast = None
+        if updates:
+            own_residual = self.tensor_part_container.residual_parts_by_peer
+            broadcast = UpdateBroadcast(
+                kwargs.get("compression", NoCompression()), own_residual[index] if own_residual else None
+            )
         self.tensor_part_reducer = RobustPartReducer(
             tuple(part.shape for part in self.parts_for_local_averaging),
             len(senders),
             local_sender=senders.index(self.peer_id) if self.peer_id in senders else None,
             policy=policy,
             on_reject=self._reject_sender,
+            broadcast=broadcast,
         )
         for peer in self.ignored & set(self.sender_peer_ids):
             self.banned_senders.add(peer)
@@ -340,7 +463,89 @@ class RobustAllReduceRunner(AllReduceRunner):
         if peer_id in self.ignored:
             self.tensor_part_container.register_failed_reducer(self.ordered_peer_ids.index(peer_id))
             return
+        if self.updates and peer_id == self.peer_id:
+            # hivemind's local branch, registering the value every member gets instead of a difference
+            peer_index = self.ordered_peer_ids.index(peer_id)
+            sender_index = self.sender_peer_ids.index(peer_id)
+            for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+                value, _ = await self.tensor_part_reducer.accumulate_part(
+                    sender_index, part_index, tensor_part, weight=self.weight
+                )
+                self.tensor_part_container.register_processed_part(peer_index, part_index, value)
+            return
         await super()._communicate_with_peer(peer_id)
+
+    def _get_peer_stub(self, peer: PeerID):
+        return _CountingStub(super()._get_peer_stub(peer), self)
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        self._serving += 1
+        self._served.clear()
+        try:
+            async for message in super().rpc_aggregate_part(self.counted(stream, received=True), context):
+                self.bytes_sent += message.ByteSize()
+                yield message
+        finally:
+            self._serving -= 1
+            if not self._serving:
+                self._served.set()
+
+    async def counted(self, messages: AsyncIterator, *, received: bool) -> AsyncIterator:
+        async for message in messages:
+            if received:
+                self.bytes_received += message.ByteSize()
+            else:
+                self.bytes_sent += message.ByteSize()
+            yield message
+
+    async def wait_served(self, timeout: float) -> None:
+        """Wait (at most `timeout` s) until we have streamed their results to the members whose parts we reduce:
+        our own results can be complete while the last messages to others are still going out."""
+        try:
+            await asyncio.wait_for(self._served.wait(), timeout)
+        except asyncio.TimeoutError:
+            logger.debug(f"{self}: results still streaming to peers after {timeout:.1f}s")
+
+    async def _accumulate_parts_streaming(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
+    ):
+        if not self.updates:
+            async for message in super()._accumulate_parts_streaming(stream, sender_index):
+                yield message
+            return
+        # hivemind's, sending every sender the part's one compressed average instead of its own difference
+        part_index = 0
+        try:
+            async for tensor_part, weight in amap_in_executor(
+                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight),
+                stream,
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                try:
+                    _, message = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=weight
+                    )
+                    part_index += 1
+                except BannedException:
+                    logger.debug(f"Sender {sender_index} is already banned")
+                    break
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=message)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+class _CountingStub:
+    """A peer's averaging stub that counts the bytes of the all-reduce messages both ways."""
+
+    def __init__(self, stub, runner: RobustAllReduceRunner):
+        self._stub, self._runner = stub, runner
+
+    async def rpc_aggregate_part(self, requests: AsyncIterator[averaging_pb2.AveragingData]):
+        stream = await self._stub.rpc_aggregate_part(self._runner.counted(requests, received=False))
+        return self._runner.counted(stream, received=True)
 
 
 # ---------------------------------------------------------------------------------------------- the averager
@@ -358,6 +563,10 @@ class GroupOutcome:
     """Members whose part of the vector kept our local values (they failed, were banned or sent a bad result)."""
     failed_fraction: float = 0.0
     """The share of our vector that kept local values for that reason."""
+    bytes_sent: int = 0
+    """Serialized all-reduce messages we sent (our parts to reducers, results to senders)."""
+    bytes_received: int = 0
+    """Serialized all-reduce messages we received."""
 
 
 def open_gathered(entry: bytes, peer_id: bytes, prefix: str, swarm_key: SwarmKey | None) -> tuple[int, Any]:
@@ -380,6 +589,11 @@ class RobustAverager(DecentralizedAverager):
 
     `gather` values travel with this peer's swarm-key tag; `step(...).result()` is a `GroupOutcome`.
     Bans are set from the parent process with `set_banned` before a step.
+
+    `updates=True` averages updates (see the module docstring): the tensors hold what to send, and after a step
+    the value every member applied. With `error_feedback` and a lossy compression, `residual` (shared memory,
+    shaped like the tensors) holds what compression dropped in the last all-reduce; whoever fills the tensors for
+    the next step adds it (`GroupAverager` does).
     """
 
     def run(self) -> None:
@@ -396,11 +610,18 @@ class RobustAverager(DecentralizedAverager):
         prefix: str,
         swarm_key: SwarmKey | None = None,
         policy: RobustPolicy = RobustPolicy(),
+        updates: bool = False,
+        error_feedback: bool = True,
         start: bool = True,
         **kwargs,
     ):
         super().__init__(averaged_tensors, dht, prefix=prefix, start=False, **kwargs)
-        self.policy, self.swarm_key = policy, swarm_key
+        self.policy, self.swarm_key, self.updates = policy, swarm_key, updates
+        lossy = not isinstance(self.allreduce_kwargs.get("compression"), NoCompression)
+        self.residual: tuple[torch.Tensor, ...] | None = None
+        if updates and error_feedback and lossy:
+            # before the averager process starts, so that it shares these buffers with us
+            self.residual = tuple(torch.zeros_like(t).share_memory_() for t in self._averaged_tensors)
         self._banned: frozenset[PeerID] = frozenset()
         self._tag = swarm_key.join_tag(prefix, self.peer_id.to_bytes()) if swarm_key is not None else b""
         if start:
@@ -464,18 +685,20 @@ class RobustAverager(DecentralizedAverager):
             entries.append(self.serializer.dumps([None, mode, self.serializer.dumps(None)]))
         ignored = frozenset(rejected) | (self._banned & frozenset(group_info.peer_ids))
         sanitized = GroupInfo(group_info.group_id, group_info.peer_ids, tuple(entries))
-        failures: dict[str, float] = {}
+        report: dict[str, float] = {}
         await super()._aggregate_with_group(
             sanitized,
             min_vector_size,
             ignored=ignored,
             on_reject=rejected.setdefault,
-            failures=failures,
+            report=report,
             **kwargs,
         )
         return GroupOutcome(
-            failed_reducers=int(failures.get("reducers", 0)),
-            failed_fraction=float(failures.get("fraction", 0.0)),
+            failed_reducers=int(report.get("reducers", 0)),
+            failed_fraction=float(report.get("fraction", 0.0)),
+            bytes_sent=int(report.get("bytes_sent", 0)),
+            bytes_received=int(report.get("bytes_received", 0)),
             gathered={
                 peer.to_base58(): payloads[peer]
                 for peer in group_info.peer_ids
@@ -492,10 +715,11 @@ class RobustAverager(DecentralizedAverager):
         *,
         ignored: Collection[PeerID] = (),
         on_reject: Callable[[PeerID, str], Any] = lambda peer, reason: None,
-        failures: dict[str, float] | None = None,
+        report: dict[str, float] | None = None,
         **kwargs,
     ):
-        # hivemind's _run_allreduce_inplace_ with RobustAllReduceRunner (this averager is never auxiliary)
+        # hivemind's _run_allreduce_inplace_ with RobustAllReduceRunner (this averager is never auxiliary); with
+        # updates, the runner yields the values to apply, not differences
         group_id = group_info.group_id if group_id is None else group_id
         runner = RobustAllReduceRunner(
             p2p=self._p2p,
@@ -507,19 +731,26 @@ class RobustAverager(DecentralizedAverager):
             policy=self.policy,
             ignored=ignored,
             on_reject=on_reject,
+            updates=self.updates,
+            residual=self.residual,
             **kwargs,
         )
         assert group_id in self._running_groups, f"group {group_id} was not registered"
         self._running_groups[group_id].set_result(runner)
         logger.debug(f"all-reduce of {self.prefix} with {len(group_info.peer_ids)} peers begins")
         async for tensor, update in azip(as_aiter(*tensors), runner):
-            tensor.add_(update, alpha=self._averaging_alpha)
+            if self.updates:
+                tensor.copy_(update)
+            else:
+                tensor.add_(update, alpha=self._averaging_alpha)
             self.last_updated = get_dht_time()
             self._state_updated.set()
-        if failures is not None:
+        await runner.wait_served(self.next_chunk_timeout or 5.0)
+        if report is not None:
             container = runner.tensor_part_container
-            failures["reducers"] = len(container.failed_reducers)
-            failures["fraction"] = container.failed_size / max(1, sum(t.numel() for t in tensors))
+            report["reducers"] = len(container.failed_reducers)
+            report["fraction"] = container.failed_size / max(1, sum(t.numel() for t in tensors))
+            report["bytes_sent"], report["bytes_received"] = runner.bytes_sent, runner.bytes_received
 
 
 class BanAwareMatchmaking(Matchmaking):
