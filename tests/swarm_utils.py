@@ -87,7 +87,10 @@ class Swarm:
         self, name: str, *args: str, config: Path | None = None, configured: bool = True
     ) -> subprocess.Popen:
         """Start node `name` with the swarm's config file, `config`, or (not `configured`) none: the node then
-        takes the swarm's config from the DHT."""
+        takes the swarm's config from the DHT. A node holds one shard unless `args` say otherwise (--shards auto
+        would hold every shard of tiny on this machine)."""
+        if not any(arg in ("--shard", "--shards", "--max-shards") for arg in args):
+            args = ("--shards", "1", *args)
         node_dir = self.tmp / name
         node_dir.mkdir(exist_ok=True)
         config_args = ["--config", str(config or self.config_path)] if configured else []

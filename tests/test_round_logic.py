@@ -120,11 +120,12 @@ def test_the_report_keeps_the_dict_form_that_summaries_read():
     report.add_bytes("refresh", 0, 5000)
     as_dict = report.as_dict()
     assert set(as_dict) == {
-        "round", "loss", "shared_group", "shard_group", "bytes_shared", "bytes_shard", "seconds", "overlapped",
+        "round", "loss", "shared_group", "shards", "shard_group", "shard_groups", "bytes_shared", "bytes_shard", "seconds", "overlapped",
         "failed_parts", "errors", "banned", "merged", "refreshed", "caught_up",
     }  # fmt: skip
     assert as_dict["bytes_shared"] == 300 and as_dict["bytes_shard"] == 33
     assert as_dict["shard_group"] == 2  # the smallest group of the node's shards
+    assert as_dict["shards"] == [1, 3] and as_dict["shard_groups"] == {1: 2, 3: 3}
     assert RoundReport(1, 0.0, (0,), (0, 1), 1, {}).as_dict()["shard_group"] == 1
 
 

@@ -66,12 +66,9 @@ def run_simulation(
     num_shards = cfg.swarm.num_shards
     num_nodes = num_nodes or min(num_shards, 16)
     run_dir = new_run_dir(workdir)
-    if num_nodes < num_shards:
-        # a node holds one shard: the experts of the others stay at their initial values
-        print(
-            f"warning: {num_nodes} nodes for {num_shards} shards: shards {list(range(num_nodes, num_shards))} "
-            "will have no holder and their experts will not train"
-        )
+    # as many shards per node as it takes for every expert to train (--shards auto would hold every shard of a
+    # small preset on each node: nothing sparse left to show)
+    shards_per_node = -(-num_shards // num_nodes)
     config_path = run_dir / "config.json"
     config_path.write_text(cfg.to_json())
     bootstrap = start_bootstrap(["/ip4/127.0.0.1/tcp/0"])
@@ -109,6 +106,8 @@ def run_simulation(
                 "/ip4/127.0.0.1/tcp/0",
                 "--public-name",
                 f"node{i}",
+                "--shards",
+                str(shards_per_node),
             ]
             for m in maddrs:
                 cmd += ["--peers", m]
@@ -185,8 +184,9 @@ def _summary(workdir: Path, procs: list[subprocess.Popen], elapsed: float) -> in
         total = sum(s["bytes_sent"].values()) + sum(s["bytes_received"].values())
         per_round = total / max(1, s["rounds_done"]) / 1e6
         first = s["first_loss"] if s["first_loss"] is not None else math.nan
+        shards = ",".join(map(str, s["shards"]))
         print(
-            f"node{i:<2} {proc.returncode:>4} {s['shard']:>5} {s['rounds_done']:>6} {first:>10.3f} "
+            f"node{i:<2} {proc.returncode:>4} {shards:>5} {s['rounds_done']:>6} {first:>10.3f} "
             f"{s['last_loss']:>9.3f} {s['tokens_per_s']:>7.0f} {per_round:>8.2f}"
         )
     return 1 if failed else 0

@@ -139,12 +139,22 @@ class Node:
         self.model: MoEForCausalLM | None = None
         self.checkpoints: CheckpointManager | None = None
         self.checkpoint_writer: CheckpointWriter | None = None
-        self.shard: int | None = None
+        self.shards: tuple[int, ...] = ()
+        """The shards this node trains, in the order it took them."""
         self.batcher: TokenBatcher | None = None
         self.data_part: tuple[int, int] | None = None
         self.val_batches: list | None = None
         self.trainer: Trainer | None = None
         self.metrics: NodeMetrics | None = None
+
+    @property
+    def shard(self) -> int | None:
+        """The first of the node's shards (None before it has any)."""
+        return self.shards[0] if self.shards else None
+
+    @shard.setter
+    def shard(self, shard: int | None) -> None:
+        self.shards = () if shard is None else (shard,)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -171,7 +181,7 @@ class Node:
         identity_path = self._prepare_local_files()
         self._join_dht(identity_path)
         checkpoint = self._load_checkpoint()
-        nodes = self._take_shard(checkpoint)
+        nodes = self._take_shards(checkpoint)
         self._build_model_and_data(checkpoint, nodes)
         self._start_round(checkpoint, nodes)
         self._become_ready()
@@ -214,26 +224,26 @@ class Node:
             )
         return checkpoint
 
-    def _take_shard(self, checkpoint) -> dict:
-        """Choose the shard (the checkpoint's, --shard, or by placement), announce it and start the heartbeat;
-        returns the other nodes' records as read then."""
+    def _take_shards(self, checkpoint) -> dict:
+        """Choose the shards (the checkpoint's, --shard/--shards, or by placement), announce them and start the
+        heartbeat; returns the other nodes' records as read then."""
         opts, num_shards = self.opts, self.cfg.swarm.num_shards
         if checkpoint is not None:
-            shard = int(checkpoint.meta["shards"][0])
-        else:
-            chosen = self._shards_to_hold()
-            shard = chosen[0]
-            if len(chosen) > 1:
-                logger.info(
-                    f"placement gives this node shards {chosen}; a node trains one shard in this version: "
-                    f"training shard {shard}, not taking {chosen[1:]}"
+            shards = [int(s) for s in checkpoint.meta["shards"]]
+            requested = [opts.shard] if opts.shard is not None else opts.shards.indices
+            if requested is not None and list(requested) != shards:
+                logger.warning(
+                    f"resuming the checkpoint's shards {shards}, not the requested {list(requested)}"
                 )
+        else:
+            shards = self._shards_to_hold()
         nodes = records.fetch_nodes(self.dht, opts.run_id, num_shards)
         nodes.pop(self.peer_id, None)
-        if not 0 <= shard < num_shards:
-            raise NodeError(f"--shard: {shard} is out of range [0, {num_shards})")
-        self.shard = shard
-        self.publish_record()  # at once, so that nodes choosing right after us count our shard
+        outside = [s for s in shards if not 0 <= s < num_shards]
+        if outside:
+            raise NodeError(f"--shards: {outside[0]} is out of range [0, {num_shards})")
+        self.shards = tuple(dict.fromkeys(shards))
+        self.publish_record()  # at once, so that nodes choosing right after us count our shards
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="spes-heartbeat", daemon=True)
         self._heartbeat.start()
         return nodes
@@ -249,7 +259,7 @@ class Node:
 
             load_hf_weights(self.model, opts.init_from)
             logger.info(f"initial weights from {opts.init_from}")
-        apply_ownership(self.model, [self.shard], cfg.swarm.frozen_dtype)
+        apply_ownership(self.model, self.shards, cfg.swarm.frozen_dtype)
         self.model.to(self.device)
 
         tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -292,7 +302,7 @@ class Node:
             peer_id=self.peer_id,
             dht=self.dht,
             model=self.model,
-            shards=[self.shard],
+            shards=self.shards,
             stop_event=self.stop_event,
             set_ownership=self.trainer.set_ownership,
             swarm_key=self.opts.swarm_key,
@@ -387,7 +397,7 @@ class Node:
         if self._resume_rng is not None:
             set_rng_state(self._resume_rng)  # last, so that nothing in startup draws from the restored state
         logger.info(
-            f"node {self.peer_id} training shard {self.shard} ({self.cfg.name}, round {self.status.round}, "
+            f"node {self.peer_id} training {_shards_text(self.shards)} ({self.cfg.name}, round {self.status.round}, "
             f"data part {self.data_part[0]}/{self.data_part[1]}, device {self.device})"
         )
         self.metrics = NodeMetrics(self.opts.metrics_port)
@@ -419,12 +429,12 @@ class Node:
         if request.indices is not None:
             return list(request.indices)
         logger.info(f"{request.describe()}: room for {capacity} of {self.cfg.swarm.num_shards} shards")
-        return self._choose_shard(capacity)
+        return self._choose_shards(capacity)
 
-    def _choose_shard(self, capacity: int = 1) -> list[int]:
+    def _choose_shards(self, capacity: int = 1) -> list[int]:
         """Announce ourselves as joining, let simultaneous joiners appear, then take the neediest shards."""
         run_id, num_shards = self.opts.run_id, self.cfg.swarm.num_shards
-        self.shard = None
+        self.shards = ()
         records.publish_node(
             self.dht,
             run_id,
@@ -757,8 +767,8 @@ class Node:
         if report.state_taken is not None:
             self.trainer.step = max(self.trainer.step, report.state_taken.min_step)
         self._set_data_part(report.data_part)
-        moved = report.shards[0] != self.shard
-        self.shard = report.shards[0]
+        moved = tuple(report.shards) != self.shards
+        self.shards = tuple(report.shards)
         self.status.state = "training"
         if moved:
             self.publish_record()
@@ -809,7 +819,7 @@ class Node:
                 "steps_into_round": self.steps_into_round,
                 "tokens_since_sync": self.tokens_since_sync,
                 "tokens": self.status.tokens,
-                "shards": [self.shard],
+                "shards": list(self.shards),
                 "frozen_experts": with_frozen,
                 "data_part": list(self.data_part),
                 "data_state": self.batcher.state_dict(),
@@ -835,6 +845,7 @@ class Node:
         summary = {
             "peer_id": self.peer_id,
             "shard": self.shard,
+            "shards": list(self.shards),
             "round": self.status.round,
             "rounds_done": self.rounds_done,
             "step": self.trainer.step,
@@ -857,7 +868,7 @@ class Node:
     def node_info(self) -> records.NodeInfo:
         return records.NodeInfo(
             peer_id=self.peer_id,
-            shards=[self.shard] if self.shard is not None else [],
+            shards=list(self.shards),
             round=self.status.round,
             step=self.trainer.step if self.trainer is not None else 0,
             tokens=self.status.tokens,
@@ -902,6 +913,10 @@ class Node:
             self.dht, self.opts.run_id, self.cfg.to_json(), self.cfg.hash(), self.validator,
             expiration_s=CONFIG_EXPIRATION_S, created_at=self._config_created_at,
         )  # fmt: skip
+
+
+def _shards_text(shards: tuple[int, ...]) -> str:
+    return f"shard {shards[0]}" if len(shards) == 1 else f"shards {list(shards)}"
 
 
 def _bounded(fn, seconds: float, what: str) -> None:

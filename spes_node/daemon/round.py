@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import hivemind
 import torch
@@ -28,7 +28,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from spes_node.aio import LoopThread
 from spes_node.config import SpesConfig, SwarmConfig
-from spes_node.daemon.placement import data_part, plan_rebalance, replica_counts
+from spes_node.daemon.placement import data_part, plan_rebalance_move
 from spes_node.model.merge import merge_alpha, merge_due, merge_layer
 from spes_node.model.moe import MoEForCausalLM
 from spes_node.model.ownership import load_shard_tensors, shard_tensors, shared_parameters
@@ -112,7 +112,9 @@ class RoundReport:
             "round": self.round,
             "loss": self.loss,
             "shared_group": self.shared_group,
+            "shards": list(self.shards),
             "shard_group": min(self.shard_groups.values(), default=1),
+            "shard_groups": dict(self.shard_groups),
             "bytes_shared": self.bytes_sent.get("shared", 0) + self.bytes_received.get("shared", 0),
             "bytes_shard": self.bytes_sent.get("shard", 0) + self.bytes_received.get("shard", 0),
             "seconds": self.seconds,
@@ -563,7 +565,8 @@ class SpesRound:
         return taken
 
     def _maybe_rebalance(self, nodes: dict, me: records.NodeInfo, round_: int) -> None:
-        """Move to an under-replicated shard if this node is the one to move (`rebalance_move`)."""
+        """Leave one of our shards for the one placement sends us to, if this node is the one to move
+        (`rebalance_move`); our other shards stay."""
         move = rebalance_move(nodes, me, self.shards, self.cfg.swarm)
         if move is None:
             return
@@ -576,7 +579,7 @@ class SpesRound:
         except TransferError as e:
             logger.warning(f"not moving to shard {new}: {e}")
             return
-        logger.info(f"moving from shard {old} to under-replicated shard {new}")
+        logger.info(f"moving from shard {old} to shard {new}, which the swarm needs more")
         shards = tuple(new if s == old else s for s in self.shards)
         if self.set_ownership is not None:
             self.set_ownership(list(shards))
@@ -674,17 +677,14 @@ def next_data_part(
 def rebalance_move(
     nodes: Mapping[str, records.NodeInfo], me: records.NodeInfo, shards: tuple[int, ...], swarm: SwarmConfig
 ) -> tuple[int, int] | None:
-    """(shard to leave, shard to take) when this node is the one to move to an under-replicated shard, else None.
-
-    `nodes`: the swarm's records; ours is replaced by `me`. The shard left is the most replicated of ours."""
+    """(shard to leave, shard to take) when the swarm's one move (`placement.plan_rebalance_move`) is this node's,
+    else None. `nodes`: the swarm's records; ours is replaced by `me`, whose shards are `shards`."""
     view = dict(nodes)
-    view[me.peer_id] = me
-    new = plan_rebalance(view, me.peer_id, swarm.num_shards, swarm.replication_target)
-    if new is None or new in shards or not shards:
+    view[me.peer_id] = replace(me, shards=list(shards))
+    move = plan_rebalance_move(view, swarm.num_shards, swarm.replication_target)
+    if move is None or move.peer != me.peer_id:
         return None
-    counts = replica_counts(view, swarm.num_shards)
-    old = min(shards, key=lambda shard: (-counts[shard], shard))
-    return old, new
+    return move.source, move.destination
 
 
 @torch.no_grad()

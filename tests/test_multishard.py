@@ -1,0 +1,202 @@
+"""A node that holds several shards: it trains, averages, checkpoints and resumes all of them.
+
+Unit tests: the rebalance move leaves the shard placement names (not just the most replicated one), and the
+static memory of a node training several shards is what the memory plan says for that many. Swarm test: two
+nodes with room for two shards each train tiny's four shards, a third raises replication and averages with the
+holders, and a restarted node gets its shards back.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+from swarm_utils import Swarm
+
+from spes_node.config import load_preset
+from spes_node.daemon.plan import memory_plan
+from spes_node.daemon.round import rebalance_move
+from spes_node.daemon.trainer import Trainer
+from spes_node.model.moe import MoEForCausalLM
+from spes_node.model.ownership import apply_ownership, shard_tensors
+from spes_node.swarm.records import NodeInfo
+
+# ---------------------------------------------------------------------------------------------- rebalance
+
+
+def test_a_node_with_several_shards_leaves_the_one_placement_names():
+    # shard 2 has no holder; a (reachable) holds 0 and 1. Leaving 0, the most replicated, would leave shard 0 to
+    # two client-mode nodes that nobody can download from: placement has a leave 1 instead
+    swarm_cfg = load_preset("tiny").replace(swarm={"num_shards": 4, "replication_target": 2}).swarm
+    nodes = {
+        "a": NodeInfo(peer_id="a", shards=[0, 1], state="training"),
+        "b": NodeInfo(peer_id="b", shards=[1], state="training"),
+        "c": NodeInfo(peer_id="c", shards=[3], state="training"),
+        "d": NodeInfo(peer_id="d", shards=[3], state="training"),
+        "n1": NodeInfo(peer_id="n1", shards=[0], state="training", client_mode=True),
+        "n2": NodeInfo(peer_id="n2", shards=[0], state="training", client_mode=True),
+    }
+    assert rebalance_move(nodes, nodes["a"], (0, 1), swarm_cfg) == (1, 2)
+    others = [n for peer, n in nodes.items() if peer != "a"]
+    assert all(rebalance_move(nodes, n, tuple(n.shards), swarm_cfg) is None for n in others)
+    # once it moved, a keeps both of its shards (a client leaves crowded shard 0 for 1 next)
+    nodes["a"] = NodeInfo(peer_id="a", shards=[0, 2], state="training")
+    assert rebalance_move(nodes, nodes["a"], (0, 2), swarm_cfg) is None
+    assert rebalance_move(nodes, nodes["n1"], (0,), swarm_cfg) == (0, 1)
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+
+class _RandomBatches:
+    def __init__(self, cfg):
+        self.cfg, self.generator = cfg, torch.Generator().manual_seed(0)
+
+    def next_batch(self) -> torch.Tensor:
+        t = self.cfg.train
+        shape = (t.micro_batch_size, t.seq_len + 1)
+        return torch.randint(0, self.cfg.model.vocab_size, shape, generator=self.generator)
+
+
+@pytest.mark.parametrize("owned", [[1], [0, 2], [3, 0, 1]])
+def test_static_memory_of_a_node_training_several_shards_is_the_plans(owned):
+    """What the node builds (ownership of its first shard, then `Trainer.set_ownership` of all, as on resume or
+    a move): trainable weights, gradients, AdamW moments and frozen experts, exactly as `memory_plan` counts them."""
+    cfg = load_preset("tiny").replace(swarm={"frozen_dtype": "bf16"})
+    torch.manual_seed(0)
+    model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+    apply_ownership(model, owned[:1], cfg.swarm.frozen_dtype)
+    trainer = Trainer(cfg, model, _RandomBatches(cfg), torch.device("cpu"))
+    trainer.set_ownership(owned)
+    grads: dict[str, int] = {}
+    trainer.optimizer.register_step_pre_hook(
+        lambda optimizer, *_: grads.update(
+            bytes=sum(p.grad.nbytes for g in optimizer.param_groups for p in g["params"])
+        )
+    )
+    trainer.train_step()
+
+    plan = memory_plan(cfg, len(owned))
+    moments = [v for state in trainer.optimizer.state.values() for v in state.values() if v.ndim > 0]
+    measured = {
+        "weights": sum(p.nbytes for p in model.parameters() if p.requires_grad),
+        "grads": grads["bytes"],
+        "optimizer": sum(v.nbytes for v in moments),
+        "frozen": sum(b.nbytes for b in model.buffers()),
+    }
+    assert measured == {key: getattr(plan, key) for key in measured}
+    assert sorted({int(n.split(".mlp.shards.")[1].split(".")[0]) for n, p in model.named_parameters()
+                   if ".mlp.shards." in n and p.requires_grad}) == sorted(owned)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- swarm
+
+
+def _record(swarm: Swarm, name: str):
+    return next((n for n in swarm.nodes().values() if n.public_name == name and n.shards), None)
+
+
+def _initial_model(cfg) -> MoEForCausalLM:
+    """The weights every node starts from (the founder's; a joiner downloads them)."""
+    torch.manual_seed(cfg.train.seed)
+    return MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+
+
+def _model_of(cfg, checkpoint) -> MoEForCausalLM:
+    model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+    apply_ownership(model, checkpoint.meta["shards"], cfg.swarm.frozen_dtype)
+    model.load_state_dict(checkpoint.tensors)
+    return model
+
+
+def _groups(summary: dict, shard: int) -> list[int]:
+    """The group size of `shard`'s all-reduce in each round of a node's summary that held it."""
+    return [
+        r["shard_groups"][str(shard)] for r in summary["rounds"] if str(shard) in r.get("shard_groups", {})
+    ]
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(900)
+def test_two_nodes_train_every_shard_a_third_raises_replication_and_a_restart_keeps_its_shards(tmp_path):
+    swarm = Swarm(tmp_path, run_id="multi", averaging_timeout=20.0, matchmaking_time=4.0)
+    try:
+        _run(swarm)
+    finally:
+        swarm.close()
+
+
+def _run(swarm: Swarm) -> None:
+    cfg = swarm.cfg
+    swarm.start("a", "--shards", "2")
+    a = swarm.wait_for(lambda: _record(swarm, "a"), 120, "a's record")
+    swarm.start("b", "--shards", "auto", "--max-shards", "2")
+    b = swarm.wait_for(lambda: _record(swarm, "b"), 120, "b's record")
+    assert len(a.shards) == len(b.shards) == 2, (a.shards, b.shards)
+    assert sorted(a.shards + b.shards) == [0, 1, 2, 3], "two nodes with room for two hold all four shards"
+    assert "room for 2 of 4 shards" in swarm.log("b")
+    assert f"training shards {a.shards}" in swarm.log("a")
+
+    def rounds_done(name: str, rounds: int):
+        record = _record(swarm, name)
+        return record is not None and record.round >= rounds
+
+    swarm.wait_for(lambda: rounds_done("a", 2) and rounds_done("b", 2), 300, "a and b at round 2")
+
+    # a third node with room for two: every shard has a holder, so it takes two held ones and averages with them
+    swarm.start("c", "--shards", "2", "--max-rounds", "3")
+    assert swarm.wait_exit("c", 300) == 0, swarm.log("c")[-3000:]
+    c = swarm.summary("c")
+    held = {"a": a.shards, "b": b.shards}
+    assert len(c["shards"]) == 2 and c["shard"] == c["shards"][0], c["shards"]
+    for shard in c["shards"]:
+        holder = next(name for name, shards in held.items() if shard in shards)
+        assert 2 in _groups(c, shard), f"c never averaged shard {shard} with {holder}: {c['rounds']}"
+
+    for name in ("a", "b"):
+        swarm.procs[name].send_signal(signal.SIGTERM)
+        assert swarm.wait_exit(name, 60) == 0, swarm.log(name)[-3000:]
+    summaries = {name: swarm.summary(name) for name in ("a", "b")}
+    for name, summary in summaries.items():
+        assert summary["shards"] == held[name] and summary["shard"] == held[name][0], summary["shards"]
+        assert "moving from shard" not in swarm.log(name), "a swarm built by placement needs no move"
+        for shard in held[name]:
+            groups = _groups(summary, shard)
+            assert len(groups) == summary["rounds_done"], (shard, summary["rounds"])
+            # averaged with c when c held it (c's rounds are a's and b's too), alone otherwise
+            assert (2 in groups) == (shard in c["shards"]), (name, shard, groups)
+
+    # every shard trained: its holder's weights moved away from the initial ones; the checkpoint holds them all
+    initial = _initial_model(cfg)
+    for name in ("a", "b"):
+        checkpoint = swarm.checkpoint(name)
+        assert checkpoint.meta["shards"] == held[name]
+        model = _model_of(cfg, checkpoint)
+        for shard in held[name]:
+            for key, before in shard_tensors(initial, shard).items():
+                after = shard_tensors(model, shard)[key]
+                assert (after - before).abs().max() > 1e-3, f"{name}: {key} did not move"
+        trained = {
+            n.split(".mlp.shards.")[1].split(".")[0]
+            for n in checkpoint.optimizer["by_name"]
+            if ".mlp.shards." in n
+        }
+        assert sorted(int(s) for s in trained) == sorted(held[name]), "AdamW state of every own shard"
+        # the node's static memory is the plan's for two shards (tiny keeps frozen experts in its checkpoints)
+        plan = memory_plan(cfg, 2)
+        moments = [
+            v for state in checkpoint.optimizer["by_name"].values() for v in state.values() if v.ndim > 0
+        ]
+        assert sum(v.nbytes for v in moments) == plan.optimizer
+        frozen = [t for n, t in checkpoint.tensors.items()
+                  if ".mlp.shards." in n and int(n.split(".mlp.shards.")[1].split(".")[0]) not in held[name]]  # fmt: skip
+        assert sum(t.nbytes for t in frozen) == plan.frozen
+
+    # a restarted node gets its shards back from its checkpoint, whatever placement would now give it
+    swarm.start("a", "--max-rounds", "1")
+    assert swarm.wait_exit("a", 300) == 0, swarm.log("a")[-3000:]
+    assert "resumed from" in swarm.log("a")
+    assert f"training shards {held['a']}" in swarm.log("a")
+    assert swarm.summary("a")["shards"] == held["a"]
+    assert swarm.checkpoint("a").meta["shards"] == held["a"]
