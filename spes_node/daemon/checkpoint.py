@@ -7,7 +7,8 @@ meta.json's own content). Nothing is pickled: checkpoint files may come from unt
 
 Writes go to a temporary sibling directory that is renamed into place once every file is on disk, so a crash
 leaves either the old set of checkpoints or the new one. Loading verifies every checksum and falls back to an
-older checkpoint when the newest is damaged.
+older checkpoint when the newest is damaged. A node writes from a `Snapshot` (CPU copies) on a background thread:
+see `checkpoint_writer`.
 """
 
 from __future__ import annotations
