@@ -41,6 +41,27 @@ reference norm) and each weight capped at `weight_cap` times the group's lower-m
 
 A part is reduced once, by its reducer, and every member receives that result, so replicas stay identical
 whatever the rule; the rule only decides how far one peer can pull them.
+
+**Averaging updates** (`RobustAverager(updates=True)`). hivemind returns each sender the difference between the
+part's average and the sender's own (compressed) part, compressed again; a member then holds the average plus its
+own rounding of both legs, which in weights mode the next average pulls back, but which updates applied to an
+anchor keep forever. So in this mode a reducer compresses each part's average once and sends every sender, and
+applies itself, the same bytes (`UpdateBroadcast`): all members apply bitwise the same update. Error feedback
+makes the rounding exact over rounds: a sender stores, per chunk, what compressing it dropped (input minus its
+decoded copy) in a residual (shared memory, made before the averager process starts); the reducer stores what
+the broadcast dropped at its own part, divided by its weight share (at most the group size), since its input
+counts with that share; a chunk whose reducer failed keeps our input there and stores zero. The next step adds
+the residual to the input (`GroupAverager.step`). Then, with steady weights, the summed averaged updates differ
+from the sum of the exact averages by exactly the group's mean residual, one round's rounding
+(tests/test_averaging_updates.py). Our own part is never compressed on the way in. An all-reduce that fails
+after chunks went out loses their previous residual (at most one round's rounding once). Updates are checked by
+the same distance bound as weights, relative to our own update's norm: an honest member whose update is more
+than `max_distance_ratio` times ours away is rejected, so members must train comparable amounts per round (they
+do: H steps each).
+
+**Bytes.** `RobustAllReduceRunner` counts the serialized messages of the all-reduce (protobuf size, tensor
+buffer plus a few bytes of header per chunk) in both roles: as a sender (our parts out, results in, through a
+counting stub) and as a reducer (parts in, results out); `GroupOutcome` carries the totals.
 """
 
 from __future__ import annotations

@@ -1,0 +1,87 @@
+"""Bytes of the all-reduce as counted on the wire by real hivemind averagers on 127.0.0.1: about 4:2:1 for fp32,
+fp16 and int8, of the order of hivemind's butterfly formula, the same for weights and updates."""
+
+from __future__ import annotations
+
+import hivemind
+import pytest
+import torch
+
+from spes_node.swarm.averaging import GroupAverager, estimated_bytes
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
+
+NUMEL = 1_500_000
+MEMBERS = 3
+
+
+@pytest.fixture(scope="module")
+def dhts():
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    others = [
+        hivemind.DHT(
+            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs()
+        )
+        for _ in range(MEMBERS - 1)
+    ]
+    yield [first, *others]
+    for dht in [first, *others]:
+        dht.shutdown()
+
+
+def counted_bytes(dhts, compression: str, average: str) -> list[tuple[int, int]]:
+    """(sent, received) of each member in one all-reduce of `NUMEL` values."""
+    zeros = {"w": torch.zeros(NUMEL)}
+    group = [
+        GroupAverager(
+            dht,
+            f"bytes_{compression}_{average}",
+            zeros,
+            compression=compression,
+            matchmaking_time=2.0,
+            allreduce_timeout=60.0,
+            client_mode=False,
+            average=average,
+        )
+        for dht in dhts
+    ]
+    try:
+        generator = torch.Generator().manual_seed(0)
+        common = torch.randn(NUMEL, generator=generator)
+        for _ in range(3):
+            inputs = [{"w": common + 0.1 * torch.randn(NUMEL, generator=generator)} for _ in group]
+            anchors = [{"w": torch.zeros(NUMEL)} if average == "updates" else None for _ in group]
+            handles = [
+                a.step(x, 1.0, (0, 0, 1), anchor=anchor) for a, x, anchor in zip(group, inputs, anchors)
+            ]
+            results = [a.finish(handle)[0] for a, handle in zip(group, handles)]
+            if all(r.group_size == MEMBERS for r in results):
+                return [(r.bytes_sent, r.bytes_received) for r in results]
+            assert all(r.group_size == 1 and r.bytes_sent == 0 for r in results), results
+        pytest.fail("no group of every member formed")
+    finally:
+        for averager in group:
+            averager.shutdown()
+
+
+def test_bytes_on_the_wire_scale_with_the_wire_precision(dhts):
+    counts = {
+        compression: counted_bytes(dhts, compression, "weights") for compression in ("none", "fp16", "int8")
+    }
+    counts["int8 updates"] = counted_bytes(dhts, "int8", "updates")
+    totals = {kind: sum(sent for sent, _ in members) for kind, members in counts.items()}
+    print(
+        {kind: [f"{s / NUMEL:.3f}/{r / NUMEL:.3f}" for s, r in members] for kind, members in counts.items()}
+    )
+    for kind, members in counts.items():
+        # everything one member sends, another receives
+        assert sum(s for s, _ in members) == sum(r for _, r in members), kind
+    assert 1.95 < totals["none"] / totals["fp16"] < 2.05
+    assert 1.9 < totals["fp16"] / totals["int8"] < 2.0  # int8 carries one fp32 scale per 1024 values
+    assert totals["int8 updates"] == totals["int8"]
+    for kind, compression in (("none", "none"), ("fp16", "fp16"), ("int8", "int8")):
+        for sent, received in counts[kind]:
+            estimate = estimated_bytes(NUMEL, MEMBERS, compression)  # per direction
+            # each member reduces about a third of the vector (parts are whole chunks): within 15% of the formula
+            assert 0.85 * estimate < sent < 1.15 * estimate, (kind, sent, estimate)
+            assert 0.85 * estimate < received < 1.15 * estimate, (kind, received, estimate)
