@@ -6,7 +6,7 @@ the bridge. The peers start each all-reduce together (a `go` line on their stdin
 counted, when the all-reduce began and ended, and the CPU seconds their processes used.
 
 Time on the wire T: from the first to the last 20 ms interval in which the peer's link moved more than 5% of the
-rate in either direction, within the step. Per direction, utilisation = bytes / (T x rate), with the bytes counted
+rate in either direction, from the moment the peer's all-reduce began (its averager's stage) until it ended. Per direction, utilisation = bytes / (T x rate), with the bytes counted
 on the interface (everything: TCP/IP headers, encryption, multiplexing) and with the averager's own count (the
 serialized all-reduce messages, the useful part). A peer's utilisation is that of its busier direction.
 """
@@ -147,6 +147,8 @@ def measure(
                     p.close()
         finally:
             bootstrap.shutdown()
+    # the raw link counters, for a look at the shape of a transfer
+    (workdir / "counters.json").write_text(json.dumps({"samples": sampler.samples, "steps": raw}))
     out = []
     for reports, busy in raw:
         for i, report in enumerate(reports):
@@ -160,7 +162,8 @@ def wire_window(
 ) -> tuple[float | None, int, int]:
     """(time on the wire, bytes sent, bytes received in it) of one step from a peer's link counter samples."""
     times = [s[0] for s in samples]
-    lo = max(0, bisect.bisect_right(times, report["began"]) - 1)
+    # from the moment the all-reduce began: matchmaking before it moves a little data (DHT, group requests)
+    lo = max(0, bisect.bisect_right(times, report.get("allreduce_began") or report["began"]) - 1)
     hi = min(len(samples) - 1, bisect.bisect_left(times, report["done"] + 0.2))
     threshold = ACTIVE_FRACTION * rate_mbit * 1e6 / 8
     active = [
