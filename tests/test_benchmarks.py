@@ -167,3 +167,43 @@ def test_quality_benchmark_runs_and_writes_its_results(tmp_path, monkeypatch):
     assert (tmp_path / "curves.png").stat().st_size > 0
     latest = json.loads((tmp_path / "results" / "latest.json").read_text())
     assert latest["memory_ratio"] == 0.4 and latest["val_loss_ratio_std"] == results["val_loss_ratio_std"]
+
+
+def test_link_allreduce_time_on_the_wire_and_utilisation():
+    from benchmarks.link_allreduce import StepMeasure, summarize, wire_window
+
+    rate_mbit = 8.0  # 1e6 bytes/s; "transferring" above 5e4 bytes/s
+    # 10 samples a second: matchmaking chatter (3e4 B/s, above nothing) from t=0, the all-reduce from t=2 to t=6
+    # at 5e5 B/s up and 2.5e5 B/s down, then idle until the step ends at t=7
+    samples, sent, received = [], 0, 0
+    for k in range(80):
+        t = k / 10
+        samples.append((t, sent, received))
+        up, down = (5e4, 2.5e4) if 2.0 <= t < 6.0 else (3e3, 3e3)
+        sent, received = sent + int(up), received + int(down)
+    report = {
+        "step": 1,
+        "began": 0.0,
+        "allreduce_began": 1.95,
+        "done": 7.0,
+        "averaged": True,
+        "group_size": 3,
+        "bytes_sent": 1_600_000,
+        "bytes_received": 800_000,
+        "cpu_seconds": {"python": 2.0, "p2pd": 1.0},
+    }
+    seconds, wire_sent, _ = wire_window(samples, report, rate_mbit)
+    assert seconds == pytest.approx(4.0, abs=0.11)
+    assert wire_sent == pytest.approx(2_000_000, rel=0.05)
+    # without the all-reduce's start the window would open at matchmaking traffic above the threshold
+    noisy = [(t, s * 20, r * 20) for t, s, r in samples]
+    assert wire_window(noisy, {**report, "allreduce_began": None}, rate_mbit)[0] > 6.0
+
+    measures = [StepMeasure(0, step, {**report, "step": step}, seconds, wire_sent, 0, 0.9) for step in (0, 1)]
+    summary = summarize(measures, rate_mbit)
+    assert [row["step"] for row in summary["steps"]] == [0, 1]
+    assert summary["utilisation_median"] == pytest.approx(1_600_000 / (seconds * 1e6))
+    assert summary["utilisation_down_median"] == pytest.approx(summary["utilisation_median"] / 2)
+    assert summary["ideal_seconds_median"] == pytest.approx(1.6)
+    assert summary["cpu_cores_busy_median"] == pytest.approx(3.0 / seconds)
+    assert summary["peers_cpu_cores_busy_median"] == pytest.approx(3.0 / seconds)  # one peer, step 0 left out
