@@ -6,11 +6,13 @@ and every block keeps its own scale, so a row of an embedding that moved little 
 moved a lot. Why this codec and not hivemind's 8-bit ones, measured on real pseudo-gradients of the tiny preset
 (`benchmarks/update_codecs.py`, one 512k-value chunk as the all-reduce sends it):
 
-- `Uniform8BitQuantization` spans +-3 standard deviations of the whole chunk: Adam updates have heavy tails, the
-  values beyond are clipped to the edge buckets, and its error is several times ours;
-- `Quantile8BitQuantization` adapts to the distribution, but one codebook of 256 values serves the whole chunk and
-  its quantile estimate is the slowest of the three;
-- blockwise absmax is the most accurate per byte here and the fastest (plain vectorised torch).
+- relative error of one compressed copy: ours 4.2e-3, hivemind's `Uniform8BitQuantization` 6.7e-3 (one scale
+  of +-3 standard deviations for the whole chunk: tails are clipped), `Quantile8BitQuantization` 7.7e-3 (one
+  256-value codebook for the whole chunk); over 5 averaged rounds without error feedback 4.8e-3, 6.8e-3, 1.4e-2;
+- compress and decompress, one thread: ours 12 ms per million values, uniform 47 ms, quantile 494 ms;
+- the block size hardly matters for Adam updates (another sample; 1024: 4.4e-3, 256: 4.1e-3, one scale per chunk: 5.3e-3);
+  1024 keeps the scales at 0.4% of the bytes;
+- hivemind's 8-bit decoders fail under numpy 2 (`int()` of a one-element array), so `uint8` does not decode here.
 
 hivemind picks a decoder by the message's compression type, an enum of its own protocol. Ours travels as
 `BLOCKWISE_8BIT`, whose hivemind codec needs bitsandbytes (not a dependency here) and a different layout:
