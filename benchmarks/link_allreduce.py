@@ -98,6 +98,7 @@ def measure(
     burst: str,
     latency: str,
     compression: str = "fp16",
+    part_size: int | None = None,
     timeout: float = 300.0,
 ) -> list[StepMeasure]:
     """`steps` all-reduces of `params` values among `peers` peers behind `rate_mbit` links."""
@@ -123,6 +124,7 @@ def measure(
                         compression,
                         "--allreduce-timeout",
                         str(timeout),
+                        *(["--part-size", str(part_size)] if part_size else []),
                     ),
                     workdir / f"peer{i}.log",
                 )

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from hivemind import DHT
+from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage
 
 from spes_node.swarm.averaging import GroupAverager
@@ -76,8 +77,15 @@ def main() -> None:
     parser.add_argument("--prefix", default="link_bench")
     parser.add_argument("--matchmaking-time", type=float, default=3.0)
     parser.add_argument("--allreduce-timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--part-size",
+        type=int,
+        help="hivemind's all-reduce part size in bytes, for an experiment (GroupAverager keeps hivemind's default)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.part_size:
+        DecentralizedAverager.__init__.__kwdefaults__["part_size_bytes"] = args.part_size
 
     dht = DHT(initial_peers=[args.initial_peer], host_maddrs=[f"/ip4/{args.host_ip}/tcp/0"], start=True)
     # like replicas of one model: the same values on every peer, plus a little noise of its own

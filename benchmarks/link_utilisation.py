@@ -41,6 +41,7 @@ SETTINGS = {
     "params_by_rate": {"50": 25_000_000, "200": 50_000_000, "1000": 50_000_000},
     "steps": 3,
     "compression": "fp16",
+    "part_size_bytes": None,
     "tbf_burst": TBF_BURST,
     "tbf_latency": TBF_LATENCY,
     "headline_rates_mbit": [50, 200],
@@ -99,6 +100,7 @@ def run_allreduce(workdir: Path, settings: dict) -> dict:
             burst=settings["tbf_burst"],
             latency=settings["tbf_latency"],
             compression=settings["compression"],
+            part_size=settings["part_size_bytes"],
         )
         by_rate[str(rate)] = {"params": params, **summarize_allreduce(measures, rate)}
     emit(
@@ -236,6 +238,7 @@ def main() -> None:
     parser.add_argument("--rates", type=int, nargs="*", help="link rates in Mbit/s (default 50 200 1000)")
     parser.add_argument("--peers", type=int)
     parser.add_argument("--steps", type=int)
+    parser.add_argument("--part-size", type=int, help="all-reduce part size in bytes (default: hivemind's)")
     parser.add_argument("--no-latest", action="store_true", help="leave latest.json alone")
     args = parser.parse_args()
     settings = {}
@@ -245,6 +248,8 @@ def main() -> None:
         settings["peers"] = args.peers
     if args.steps:
         settings["steps"] = args.steps
+    if args.part_size:
+        settings["part_size_bytes"] = args.part_size
     started = time.time()
     run(Path(args.workdir), settings, rounds=args.rounds, write_latest=not args.no_latest)
     emit(f"link-utilisation benchmark took {time.time() - started:.0f}s")
