@@ -308,7 +308,7 @@ class Node:
             swarm_key=self.opts.swarm_key,
             client_mode=self.opts.client_mode,
         )
-        self.sync.start(self.status.round)
+        self.sync.start(self.status.round, fresh=checkpoint is None)
         if checkpoint is not None:
             self._restore_outer(checkpoint)
         live = [n.round for n in nodes.values() if n.state in records.ACTIVE_STATES]

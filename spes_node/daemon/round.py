@@ -38,6 +38,7 @@ from spes_node.swarm.averaging import (
     GroupResult,
     NesterovOuter,
     PlainAverage,
+    next_anchor_id,
     wire_compression,
 )
 from spes_node.swarm.fetch import StateFetcher
@@ -101,6 +102,8 @@ class RoundReport:
     caught_up: int | None = None
     state_taken: StateTaken | None = None
     """Set when the round caught up by downloading the swarm's state."""
+    resynced: list[str] = field(default_factory=list)
+    """Averaging updates: parts whose weights were taken from group members that shared another anchor."""
 
     def add_bytes(self, kind: str, sent: int, received: int) -> None:
         self.bytes_sent[kind] = self.bytes_sent.get(kind, 0) + sent
@@ -125,6 +128,7 @@ class RoundReport:
             "merged": self.merged,
             "refreshed": self.refreshed,
             "caught_up": self.caught_up,
+            "resynced": list(self.resynced),
         }
 
 
@@ -185,23 +189,33 @@ class SpesRound:
         self._round_started = time.perf_counter()
         self._round_seconds: float | None = None
         """How long our last round took (local steps and sync)."""
+        self.updates = cfg.swarm.average == "updates"
+        """Average pseudo-gradients from anchors (`swarm.average = "updates"`) instead of the weights."""
+        self._anchors: dict[str, dict[str, torch.Tensor]] = {}
+        """Updates mode, plain average: each group's weights at its last sync (Nesterov keeps them as `previous`)."""
+        self.anchor_ids: dict[str, str] = {}
+        """Updates mode: each group's anchor id ("shared", "shard<j>"); equal ids mean equal anchors."""
+        self._own_ids = 0
 
     # ------------------------------------------------------------------ setup
 
-    def start(self, round_: int) -> None:
-        """Start serving state (as of round `round_`) and join the averaging groups."""
+    def start(self, round_: int, fresh: bool = False) -> None:
+        """Start serving state (as of round `round_`) and join the averaging groups. `fresh`: the model holds the
+        config's seeded initial weights (no checkpoint, nothing downloaded), which every fresh node shares."""
         swarm = self.cfg.swarm
         self.p2p = self.loop.run(self.dht.replicate_p2p())
+        # served state is weights, not updates: never quantised to 8 bits (fp16 unless the wire is uncompressed)
+        state_wire = "none" if swarm.wire_compression == "none" else "fp16"
         self.server = StateServer(
             self.p2p,
             self.run_id,
             self.config_hash,
-            wire_compression(swarm.wire_compression),
+            wire_compression(state_wire),
             swarm_key=self.swarm_key,
         )
         self.loop.run(self.server.start())
-        # what is served travels at wire precision anyway: keep the snapshots at that precision, not fp32
-        dtype = torch.float16 if swarm.wire_compression == "fp16" else torch.float32
+        # what is served travels at that precision anyway: keep the snapshots at that precision, not fp32
+        dtype = torch.float16 if state_wire == "fp16" else torch.float32
         self.publisher = SnapshotPublisher(self.server, self.loop, dtype)
         self.fetcher = StateFetcher(
             self.p2p,
@@ -216,7 +230,7 @@ class SpesRound:
             self.shard_avgs[shard] = self._averager(
                 f"shard{shard}", cpu_copy(shard_tensors(self.model, shard))
             )
-        self.reset_outer()
+        self.reset_outer(anchor_id=initial_anchor_id(self.config_hash) if fresh else None)
         self.publish_snapshots(round_)
 
     def _averager(self, group: str, tensors: dict[str, torch.Tensor]) -> GroupAverager:
@@ -233,12 +247,48 @@ class SpesRound:
             bans=self.bans,
             swarm_key=self.swarm_key,
             max_weight=float(swarm.sync_steps * tokens_per_step(self.cfg)),
+            average=swarm.average,
         )
 
-    def reset_outer(self) -> None:
-        """Outer optimisers that start from the weights as they are now."""
+    def reset_outer(self, anchor_id: str | None = None) -> None:
+        """Outer optimisers (and, averaging updates, anchors) that start from the weights as they are now.
+
+        `anchor_id`: the id of these weights if other nodes hold the very same ones; otherwise an id of our own."""
         self.shared_outer = self._outer(shared_parameters(self.model))
         self.shard_outers = {shard: self._outer(shard_tensors(self.model, shard)) for shard in self.shards}
+        for key, tensors in self._groups():
+            self._reanchor(key, tensors, anchor_id)
+
+    def _groups(self) -> list[tuple[str, dict[str, torch.Tensor]]]:
+        """(anchor key, live tensors) of every group this node averages."""
+        groups = [("shared", shared_parameters(self.model))]
+        return groups + [(f"shard{shard}", shard_tensors(self.model, shard)) for shard in self.shards]
+
+    def _outer_of(self, key: str) -> PlainAverage | NesterovOuter | None:
+        return self.shared_outer if key == "shared" else self.shard_outers.get(int(key[len("shard") :]))
+
+    def anchor(self, key: str) -> dict[str, torch.Tensor]:
+        """A group's anchor: the weights at its last sync (a Nesterov optimiser's `previous`, no second copy)."""
+        outer = self._outer_of(key)
+        return outer.previous if isinstance(outer, NesterovOuter) else self._anchors[key]
+
+    @torch.no_grad()
+    def _reanchor(self, key: str, tensors: dict[str, torch.Tensor], anchor_id: str | None = None) -> None:
+        """The group's anchor becomes `tensors` as they are now, with `anchor_id` or an id of our own."""
+        if not self.updates:
+            return
+        outer = self._outer_of(key)
+        if isinstance(outer, NesterovOuter):
+            outer.remember(tensors)
+        elif key in self._anchors and self._anchors[key].keys() == tensors.keys():
+            for name, tensor in tensors.items():
+                self._anchors[key][name].copy_(tensor)
+        else:
+            self._anchors[key] = {name: t.detach().float().clone() for name, t in tensors.items()}
+        if anchor_id is None:
+            self._own_ids += 1
+            anchor_id = next_anchor_id("own", [self.peer_id], self._own_ids)
+        self.anchor_ids[key] = anchor_id
 
     def _outer(self, start: dict[str, torch.Tensor]) -> PlainAverage | NesterovOuter:
         """The outer optimiser of one group, starting from the weights the next round begins with."""
@@ -313,16 +363,21 @@ class SpesRound:
             + (f", waiting up to {extra:.1f}s more for peers about to finish" if extra > 0 else "")
             + ")"
         )
+
+        def step(averager: GroupAverager, key: str, local: dict[str, torch.Tensor]):
+            if not self.updates:
+                return averager.step(local, weight, gather, extra)
+            anchored = (*gather, self.anchor_ids[key])
+            return averager.step(local, weight, anchored, extra, anchor=self.anchor(key))
+
         shard_handles = {}
         for shard, local in shards_local.items():
             replicas = any(shard in n.shards for n in others.values())
-            shard_handles[shard] = (
-                self.shard_avgs[shard].step(local, weight, gather, extra) if replicas else None
-            )
+            shard_handles[shard] = step(self.shard_avgs[shard], f"shard{shard}", local) if replicas else None
         self._inflight = _Flight(
             inputs=inputs,
             started=time.perf_counter(),
-            shared=self.shared_avg.step(shared_local, weight, gather, extra) if others else None,
+            shared=step(self.shared_avg, "shared", shared_local) if others else None,
             shards=shard_handles,
             sent_shared=_clone(shared_local) if overlap else None,
             sent_shards={shard: _clone(local) if overlap else None for shard, local in shards_local.items()},
@@ -345,6 +400,7 @@ class SpesRound:
         groups = [
             (
                 "shared",
+                "shared",
                 shared_result,
                 shared_avg,
                 shared_parameters(self.model),
@@ -358,7 +414,15 @@ class SpesRound:
             shard_results[shard] = result
             local = shard_tensors(self.model, shard)
             groups.append(
-                ("shard", result, averaged, local, flight.sent_shards[shard], self.shard_outers[shard])
+                (
+                    "shard",
+                    f"shard{shard}",
+                    result,
+                    averaged,
+                    local,
+                    flight.sent_shards[shard],
+                    self.shard_outers[shard],
+                )
             )
         # one round further, whatever the group claimed: no peer's claim moves the round (see `progress`)
         report = RoundReport(
@@ -370,9 +434,16 @@ class SpesRound:
             shard_groups={shard: r.group_size for shard, r in shard_results.items()},
             overlapped=flight.sent_shared is not None,
         )
-        for kind, result, averaged, local, sent, outer in groups:
+        resyncs = []
+        for kind, key, result, averaged, local, sent, outer in groups:
             report.add_bytes(kind, result.bytes_sent, result.bytes_received)
-            apply_outer(outer, local, sent, averaged)
+            if self.updates:
+                apply_update(outer, local, sent, self.anchor(key), averaged)
+                resync = self._settle_anchor(key, result, averaged is not None, report.round)
+                if resync is not None:
+                    resyncs.append((key, *resync))
+            else:
+                apply_outer(outer, local, sent, averaged)
             self.fetcher.vouch(result.peers)
             report.failed_parts += result.failed_reducers
             if result.error:
@@ -385,6 +456,9 @@ class SpesRound:
             target = catch_up_target(report.round, nodes, self.peer_id, self.bans.active())
             if target is not None:
                 self._catch_up(report, nodes, target)
+            else:
+                for key, anchor_id, peers, their_round in resyncs:
+                    self._resync(report, key, anchor_id, peers, their_round)
             report.refreshed, report.merged = self._refresh_and_merge(nodes, report.round)
             self._maybe_rebalance(nodes, inputs.me, report.round)
             report.shards = self.shards
@@ -422,6 +496,55 @@ class SpesRound:
         report.state_taken = taken
         report.add_bytes("state_download", 0, taken.nbytes)
 
+    def _settle_anchor(
+        self, key: str, result: GroupResult, averaged: bool, round_: int
+    ) -> tuple[str, list[str], int] | None:
+        """The group's next anchor id after a round; (anchor id, peers, their round) to take the weights from
+        when most of the group shared an anchor other than ours."""
+        decision = settle_anchor(
+            self.anchor_ids[key],
+            result.anchors if averaged else {},
+            all_averaged=averaged and result.error is None and not result.failed_reducers,
+            round_=round_,
+        )
+        if decision.new_id is None:
+            self._own_ids += 1
+            self.anchor_ids[key] = next_anchor_id("own", [self.peer_id], self._own_ids)
+        else:
+            self.anchor_ids[key] = decision.new_id
+        if decision.take_from:
+            # their round as they finish this one (a member may count one round more or less than we do)
+            their_round = max(result.peers[peer][0] for peer in decision.take_from) + 1
+            return decision.take_id, decision.take_from, their_round
+        return None
+
+    def _resync(
+        self, report: RoundReport, key: str, anchor_id: str, peers: list[str], their_round: int
+    ) -> None:
+        """Take a group's weights from members that shared an anchor other than ours (we missed rounds, joined, or
+        caught up): an update applied to another anchor would never bring us together again."""
+        part = "shared" if key == "shared" else f"shard:{key[len('shard') :]}"
+        try:
+            _, download = self.loop.run(
+                self.fetcher.fetch(peers, part, self._expected(part), their_round, exact=True)
+            )
+        except TransferError as e:
+            logger.warning(f"{part}: keeps an anchor of its own this round: {e}")
+            return
+        if key == "shared":
+            with torch.no_grad():
+                for name, p in shared_parameters(self.model).items():
+                    p.copy_(download.tensors[name])
+            tensors = shared_parameters(self.model)
+        else:
+            shard = int(key[len("shard") :])
+            load_shard_tensors(self.model, shard, download.tensors)
+            tensors = shard_tensors(self.model, shard)
+        self._reanchor(key, tensors, anchor_id)
+        report.add_bytes("resync", 0, download.nbytes)
+        report.resynced.append(part)
+        logger.info(f"{part}: took the group's weights from its other members (anchor {anchor_id[:8]})")
+
     def _finish(self, averager: GroupAverager, handle) -> tuple[GroupResult, dict | None]:
         if handle is None:
             return GroupResult(1, 0.0, 0, 0), None
@@ -452,6 +575,11 @@ class SpesRound:
             return 0, False
         refreshed = self.finish_pending()
         merge_own_experts(self.model, self.shards, round_ * swarm.sync_steps, swarm)
+        for (
+            shard
+        ) in self.shards:  # replicas merge the same inputs alike: the merged weights keep the anchor's id
+            key = f"shard{shard}"
+            self._reanchor(key, shard_tensors(self.model, shard), self.anchor_ids.get(key))
         self.publish_snapshots(round_)
         return refreshed, True
 
@@ -590,6 +718,9 @@ class SpesRound:
         self.shard_avgs[new] = self._averager(f"shard{new}", cpu_copy(shard_tensors(self.model, new)))
         self.shard_outers.pop(old, None)
         self.shard_outers[new] = self._outer(shard_tensors(self.model, new))
+        self._anchors.pop(f"shard{old}", None)
+        self.anchor_ids.pop(f"shard{old}", None)
+        self._reanchor(f"shard{new}", shard_tensors(self.model, new))  # an id of our own until a clean round
         self.publish_snapshots(round_)  # the data part is the node's, whatever its shard: it stays
         logger.info(f"now training shard {new} (was {old})")
 
@@ -730,6 +861,70 @@ def apply_outer(outer, local: dict, sent: dict | None, averaged: dict | None) ->
     target = sent if sent is not None else local
     delta = {k: local[k] - sent[k] for k in local} if sent is not None else None
     outer.apply(target, {k: v.to(target[k].device) for k, v in averaged.items()})
+    if delta is not None:
+        for k, tensor in local.items():
+            tensor.copy_(target[k] + delta[k])
+
+
+def initial_anchor_id(config_hash: str) -> str:
+    """The anchor id of the config's seeded initial weights: the same on every fresh node of a swarm."""
+    return next_anchor_id(f"init:{config_hash}", [], 0)
+
+
+@dataclass(frozen=True)
+class AnchorDecision:
+    new_id: str | None
+    """The group's next anchor id for us; None: an id of our own (nobody shares our weights)."""
+    take_id: str | None = None
+    """When most of the group shared another anchor: its next id, which we take with its weights."""
+    take_from: list[str] = field(default_factory=list)
+    """The members that shared that anchor (whom to download the group's weights from)."""
+
+
+def settle_anchor(
+    mine: str, anchors: Mapping[str, str | None], all_averaged: bool, round_: int
+) -> AnchorDecision:
+    """After a round averaging updates: the members that shared our anchor applied the same average to the same
+    weights, so they agree on the next id (`next_anchor_id` of the old id, those members, the round). When the
+    anchor most members shared (ties: the smallest id) is not ours, we are to take that anchor's weights.
+
+    `anchors`: each member's anchor id (ourselves included), empty when no group formed. `all_averaged`: every
+    part of the vector was averaged (otherwise members hold different results: nobody shares an anchor)."""
+    if not anchors or not all_averaged:
+        return AnchorDecision(None)
+    by_id: dict[str, list[str]] = {}
+    for peer, anchor_id in anchors.items():
+        if anchor_id is not None:
+            by_id.setdefault(anchor_id, []).append(peer)
+    if mine not in by_id:
+        return AnchorDecision(None)
+    best = min(by_id, key=lambda anchor_id: (-len(by_id[anchor_id]), anchor_id))
+    ours = next_anchor_id(mine, by_id[mine], round_)
+    if best == mine:
+        return AnchorDecision(ours)
+    return AnchorDecision(ours, next_anchor_id(best, by_id[best], round_), sorted(by_id[best]))
+
+
+@torch.no_grad()
+def apply_update(outer, local: dict, sent: dict | None, anchor: dict, update: dict | None) -> None:
+    """Averaging updates: apply a round's averaged pseudo-gradient to the anchor, which becomes the new weights
+    (and the next anchor). Without a group, the trained weights are the new anchor. With overlap, as
+    `apply_outer`: the local progress made since `sent` is added back on top."""
+    target = sent if sent is not None else local
+    delta = {k: local[k] - sent[k] for k in local} if sent is not None else None
+    if update is None:
+        if isinstance(outer, NesterovOuter):
+            outer.remember(target)
+        else:
+            for name, tensor in anchor.items():
+                tensor.copy_(target[name])
+        return
+    if isinstance(outer, NesterovOuter):
+        outer.apply_update(target, anchor, update)  # remembers the new weights as its next anchor
+    else:
+        for name, tensor in anchor.items():
+            tensor.sub_(update[name].to(tensor.device))
+            target[name].copy_(tensor)
     if delta is not None:
         for k, tensor in local.items():
             tensor.copy_(target[k] + delta[k])

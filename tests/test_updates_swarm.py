@@ -1,0 +1,77 @@
+"""Real swarms averaging updates (`swarm.average = "updates"`) with 8-bit pseudo-gradients on the wire."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+from swarm_utils import Swarm
+
+from spes_node.swarm.averaging import estimated_bytes
+
+pytestmark = pytest.mark.swarm
+
+UPDATES = {"average": "updates", "wire_compression": "int8", "averaging_timeout": 20.0}
+
+
+def _numel(tensors: dict) -> int:
+    return sum(t.numel() for t in tensors.values())
+
+
+def test_replicas_averaging_int8_updates_hold_identical_weights(tmp_path):
+    """Three fresh nodes on one shard (every node a replica): members of a clean round apply the same 8-bit
+    average to the same anchor, so their trained weights are identical, not merely close; and each moves about a
+    quarter of the bytes of fp32 weights."""
+    swarm = Swarm(tmp_path, num_shards=1, merge_interval=10_000, matchmaking_time=6.0, **UPDATES)
+    names = ["a", "b", "c"]
+    try:
+        for name in names:
+            swarm.start(name, "--max-rounds", "3", "--wait-peers", "3")
+        for name in names:
+            assert swarm.wait_exit(name, 240) == 0, swarm.log(name)[-3000:]
+        summaries = {name: swarm.summary(name) for name in names}
+        for name, s in summaries.items():
+            last = s["rounds"][-1]
+            assert last["shared_group"] == 3 and last["shard_group"] == 3, (name, s["rounds"])
+            assert last["failed_parts"] == 0 and not last["resynced"], (name, last)
+        states = {name: swarm.checkpoint(name) for name in names}
+        # the final checkpoint is written right after the last round, before any further local step
+        ref = states["a"].tensors
+        for name in names[1:]:
+            other = states[name].tensors
+            assert ref.keys() == other.keys()
+            for key in ref:
+                assert torch.equal(ref[key].float(), other[key].float()), (name, key)
+        shared = {k: v for k, v in ref.items() if ".mlp.shards." not in k and "_outer" not in k}
+        moved = summaries["a"]["rounds"][-1]["bytes_shared"]
+        fp32 = 2 * estimated_bytes(_numel(shared), 3, "none")  # sent and received
+        assert 0 < moved < 0.4 * fp32, (moved, fp32)
+    finally:
+        swarm.close()
+
+
+def test_a_late_joiner_takes_the_groups_anchor_then_averages_updates_with_it(tmp_path):
+    """A node that downloaded the swarm's state holds an anchor of its own; in its first clean round with the
+    others it takes their weights (their anchor), and from then on it shares their anchor id: no more downloads."""
+    swarm = Swarm(tmp_path, num_shards=1, merge_interval=10_000, matchmaking_time=4.0, **UPDATES)
+    try:
+        for name in ("a", "b"):
+            swarm.start(name, "--wait-peers", "2")
+        swarm.wait_for(lambda: min((n.round for n in swarm.nodes().values()), default=0) >= 2, 180, "round 2")
+        swarm.start("late", "--max-rounds", "5")
+        assert swarm.wait_exit("late", 240) == 0, swarm.log("late")[-3000:]
+        rounds = swarm.summary("late")["rounds"]
+        took = [i for i, r in enumerate(rounds) if "shared" in r["resynced"]]
+        assert took, rounds
+        # once it holds the group's anchor, its clean rounds with the others need no download
+        later = [r for r in rounds[took[-1] + 1 :] if r["shared_group"] >= 2 and r["failed_parts"] == 0]
+        assert later, f"no clean round with the others after taking their anchor: {rounds}"
+        assert all("shared" not in r["resynced"] for r in later), rounds
+        assert "took the group's weights" in swarm.log("late")
+        for name in ("a", "b"):
+            swarm.procs[name].send_signal(signal.SIGTERM)
+            assert swarm.wait_exit(name, 60) == 0, swarm.log(name)[-3000:]
+            assert "took the group's weights" not in swarm.log(name)
+    finally:
+        swarm.close()
