@@ -253,7 +253,7 @@ def update_latest(results: dict) -> None:
     document = json.loads(path.read_text()) if path.is_file() else {}
     for key in ("val_loss_ratio_vs_centralized", "val_loss_ratio_std"):
         document[key] = results[key]
-    document["val_loss_ratios"] = {name: s.get("ratio_mean") for name, s in results["summary"].items()}
+    document["val_loss_ratios"] = results["ratios"]
     goal = document.get("goals", {}).get("val_loss_ratio_vs_centralized")
     if goal is not None and results["val_loss_ratio_vs_centralized"] is not None:
         op, target = goal["goal"].split()

@@ -408,11 +408,20 @@ def _train_centralized(cfg, setting, seed, steps, val, tokenizer, init, parts):
             log.train_loss.append(sum(losses) / len(losses))
             log.val_loss.append(val_loss(model, val))
             losses = []
-    node = type("Centralized", (), {"model": model, "trainer": trainer, "outer": {}, "wire": None})()
-    return dense_state_dict(model), log, node_memory(node, val[0])
+    return dense_state_dict(model), log, node_memory(PlainNode(model, trainer), val[0])
 
 
-def node_memory(node, batch: torch.Tensor) -> dict[str, int]:
+@dataclass
+class PlainNode:
+    """A model and its trainer without outer optimiser or wire state (centralized, or a one-node measurement)."""
+
+    model: MoEForCausalLM
+    trainer: object
+    outer: dict = field(default_factory=dict)
+    wire: dict | None = None
+
+
+def node_memory(node: SimNode | PlainNode, batch: torch.Tensor) -> dict[str, int]:
     """Bytes one node holds for training, from its tensors: weights, gradients (one backward on `batch`, dropped
     afterwards), AdamW state, frozen experts, and the outer optimiser's / int8 wire's state."""
     model = node.model
@@ -458,5 +467,4 @@ def all_experts_node_memory(cfg: SpesConfig, batch: torch.Tensor) -> dict[str, i
 
     trainer = Trainer(cfg, model, _One(), torch.device("cpu"))
     trainer.train_step()
-    node = type("AllExperts", (), {"model": model, "trainer": trainer, "outer": {}, "wire": None})()
-    return node_memory(node, batch)
+    return node_memory(PlainNode(model, trainer), batch)
