@@ -43,7 +43,7 @@ class StepMeasure:
     wire_sent: int
     wire_received: int
     machine_busy: float
-    """Busy fraction of the whole machine's cores during the step (every process on it)."""
+    """Busy fraction of the whole machine's cores during the all-reduce (every process on it)."""
     extra: dict = field(default_factory=dict)
 
 
@@ -133,17 +133,13 @@ def measure(
             try:
                 for p in procs:
                     p.next(timeout=180)
-                with CounterSampler(network, hz=SAMPLE_HZ) as sampler:
+                with CounterSampler(network, hz=SAMPLE_HZ) as sampler, _MachineSampler() as machine:
                     raw = []
                     for _ in range(steps):
                         time.sleep(1.0)
-                        cpu_before = _cpu_times()
                         for p in procs:
                             p.send("go")
-                        reports = [p.next(timeout=timeout + 60) for p in procs]
-                        cpu_after = _cpu_times()
-                        busy = 1.0 - (cpu_after[1] - cpu_before[1]) / max(cpu_after[0] - cpu_before[0], 1e-9)
-                        raw.append((reports, busy))
+                        raw.append([p.next(timeout=timeout + 60) for p in procs])
             finally:
                 for p in procs:
                     p.close()
@@ -152,11 +148,41 @@ def measure(
     # the raw link counters, for a look at the shape of a transfer
     (workdir / "counters.json").write_text(json.dumps({"samples": sampler.samples, "steps": raw}))
     out = []
-    for reports, busy in raw:
+    for reports in raw:
         for i, report in enumerate(reports):
             seconds, sent, received = wire_window(sampler.samples[i], report, rate_mbit)
+            busy = machine.busy(report.get("allreduce_began") or report["began"], report["done"])
             out.append(StepMeasure(i, report["step"], report, seconds, sent, received, busy))
     return out
+
+
+class _MachineSampler:
+    """The machine's CPU counters (/proc/stat) 10 times a second, for its busy fraction between two times."""
+
+    def __init__(self, hz: float = 10.0):
+        self.period, self.samples = 1.0 / hz, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="machine-cpu", daemon=True)
+
+    def __enter__(self) -> _MachineSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time(), *_cpu_times()))
+            self._stop.wait(self.period)
+
+    def busy(self, start: float, end: float) -> float:
+        times = [s[0] for s in self.samples]
+        lo = max(0, bisect.bisect_right(times, start) - 1)
+        hi = min(len(self.samples) - 1, bisect.bisect_left(times, end))
+        (_, total0, idle0), (_, total1, idle1) = self.samples[lo], self.samples[hi]
+        return 1.0 - (idle1 - idle0) / max(total1 - total0, 1e-9)
 
 
 def wire_window(

@@ -3,8 +3,9 @@ all-reduce each time the benchmark says `go` on stdin.
 
 Not a node: nothing is trained, so the all-reduce has the machine's cores to itself. It prints one JSON line per
 event on stdout: `{"ready": ...}` once the averager runs, then per step the averager's own result (group size,
-counted bytes), wall-clock times (step begun, all-reduce begun, done) and the CPU seconds its processes used in
-the step (the peer, its DHT and averager processes and the p2p daemon), by process name.
+counted bytes), wall-clock times (step begun, all-reduce begun, done) and the CPU seconds its processes (the peer,
+its DHT and averager processes and the p2p daemon) used during the all-reduce and during the whole step, by
+process name.
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ def main() -> None:
         result, averaged = averager.finish(handle)
         done = time.time()
         cpu_after = cpu_seconds(os.getpid())
+        cpu_at_allreduce = allreduce_began.get("cpu", cpu_before)
         say(
             step=step,
             began=began,
@@ -128,7 +130,8 @@ def main() -> None:
             bytes_received=result.bytes_received,
             error=result.error,
             averaged=averaged is not None,
-            cpu_seconds={k: round(v - cpu_before.get(k, 0.0), 3) for k, v in cpu_after.items()},
+            cpu_seconds={k: round(v - cpu_at_allreduce.get(k, 0.0), 3) for k, v in cpu_after.items()},
+            cpu_seconds_step={k: round(v - cpu_before.get(k, 0.0), 3) for k, v in cpu_after.items()},
         )
         step += 1
     averager.shutdown()
@@ -136,13 +139,15 @@ def main() -> None:
 
 
 def watch_allreduce_start(control) -> dict:
-    """Notes (in the returned dict, key `t`) when the step's all-reduce begins, from a thread polling its stage."""
+    """Notes (in the returned dict) when the step's all-reduce begins (`t`) and the CPU seconds used by then
+    (`cpu`), from a thread polling its stage."""
     seen: dict = {}
 
     def poll() -> None:
         while not control.done():
             if control.stage in (AveragingStage.RUNNING_ALLREDUCE, AveragingStage.FINISHED):
                 seen["t"] = time.time()
+                seen["cpu"] = cpu_seconds(os.getpid())
                 return
             time.sleep(0.005)
 

@@ -1,7 +1,7 @@
 """link_utilisation: how much of a shaped link averaging uses while it transfers, where the link is the limit.
 
-Main measurement (`link_allreduce.py`): 3 averaging peers, each in its own network namespace behind a tbf-shaped
-link, all-reduce a vector of tens of millions of values (fp16 on the wire) with `GroupAverager`, at 50 and
+Main measurement (`link_allreduce.py`): 3 averaging peers (and 2, at 50 and 200 Mbit/s), each in its own
+network namespace behind a tbf-shaped link, all-reduce a vector of tens of millions of values (fp16 on the wire) with `GroupAverager`, at 50 and
 200 Mbit/s and 1 Gbit/s. Nothing else runs in the peers, so the link is the limit as long as the cores keep up;
 the CPU seconds of the peers' processes during each transfer are reported beside the utilisation, so that a
 reader sees where the cores become the limit. The headline `link_utilisation` is the lower of the 50 and
@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 SETTINGS = {
     "peers": 3,
+    "also_peers": {2: [50, 200]},
     "rates_mbit": [50, 200, 1000],
     "params_by_rate": {"50": 25_000_000, "200": 50_000_000, "1000": 50_000_000},
     "steps": 3,
@@ -86,17 +87,17 @@ def summarize_rounds(run: NetworkRun) -> dict:
     }
 
 
-def run_allreduce(workdir: Path, settings: dict) -> dict:
+def run_allreduce(workdir: Path, settings: dict, peers: int, rates: list[int]) -> dict:
     by_rate = {}
-    for rate in settings["rates_mbit"]:
+    for rate in rates:
         params = settings["params_by_rate"][str(rate)]
-        emit(f"link: {settings['peers']} peers, {params / 1e6:.0f}M values at {rate} Mbit/s ...")
+        emit(f"link: {peers} peers, {params / 1e6:.0f}M values at {rate} Mbit/s ...")
         measures = measure(
             rate,
             params,
-            settings["peers"],
+            peers,
             settings["steps"],
-            workdir / f"allreduce_{rate}mbit",
+            workdir / f"allreduce_{peers}peers_{rate}mbit",
             burst=settings["tbf_burst"],
             latency=settings["tbf_latency"],
             compression=settings["compression"],
@@ -137,7 +138,7 @@ def run_allreduce(workdir: Path, settings: dict) -> dict:
                 for rate, r in by_rate.items()
             ],
             title=(
-                f"link utilisation of an all-reduce ({settings['peers']} peers, {settings['compression']}, "
+                f"link utilisation of an all-reduce ({peers} peers, {settings['compression']}, "
                 f"tbf burst {settings['tbf_burst']}, latency {settings['tbf_latency']}; "
                 f"medians over peers and all-reduces after the first)"
             ),
@@ -195,7 +196,10 @@ def run(workdir: Path, settings: dict | None = None, rounds: bool = True, write_
         write_result("link_utilisation", settings, results, {})
         return results
     with LoadMonitor() as load:
-        by_rate = run_allreduce(workdir, settings)
+        by_rate = run_allreduce(workdir, settings, settings["peers"], settings["rates_mbit"])
+        by_peers = {
+            str(n): run_allreduce(workdir, settings, n, rates) for n, rates in settings["also_peers"].items()
+        }
         round_results = run_rounds(workdir, settings["full_nodes"]) if rounds else None
     headline = {
         r: by_rate[str(r)]["utilisation_median"] for r in settings["headline_rates_mbit"] if str(r) in by_rate
@@ -207,6 +211,7 @@ def run(workdir: Path, settings: dict | None = None, rounds: bool = True, write_
             f"wire x rate) at {' and '.join(str(r) for r in headline)} Mbit/s"
         ),
         "by_rate": by_rate,
+        "by_rate_other_group_sizes": by_peers,
         "rounds": round_results
         if round_results is not None
         else "not run (python -m benchmarks.link_utilisation --rounds runs it)",
@@ -245,7 +250,7 @@ def main() -> None:
     if args.rates:
         settings["rates_mbit"] = args.rates
     if args.peers:
-        settings["peers"] = args.peers
+        settings["peers"], settings["also_peers"] = args.peers, {}
     if args.steps:
         settings["steps"] = args.steps
     if args.part_size:
