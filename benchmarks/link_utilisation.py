@@ -1,8 +1,8 @@
 """link_utilisation: how much of a shaped link averaging uses while it transfers, where the link is the limit.
 
 Main measurement (`link_allreduce.py`): 3 averaging peers (and 2, at 50 and 200 Mbit/s), each in its own
-network namespace behind a tbf-shaped link, all-reduce a vector of tens of millions of values (fp16 on the wire) with `GroupAverager`, at 50 and
-200 Mbit/s and 1 Gbit/s. Nothing else runs in the peers, so the link is the limit as long as the cores keep up;
+network namespace behind a tbf-shaped link, all-reduce a vector of tens of millions of values (fp16 on the wire)
+with `GroupAverager`, at 50 and 200 Mbit/s and 1 Gbit/s. Nothing else runs in the peers, so the link is the limit as long as the cores keep up;
 the CPU seconds of the peers' processes during each transfer are reported beside the utilisation, so that a
 reader sees where the cores become the limit. The headline `link_utilisation` is the lower of the 50 and
 200 Mbit/s medians.
