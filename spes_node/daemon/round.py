@@ -501,11 +501,13 @@ class SpesRound:
     ) -> tuple[str, list[str], int] | None:
         """The group's next anchor id after a round; (anchor id, peers, their round) to take the weights from
         when most of the group shared an anchor other than ours."""
+        # the ids name the round by what every member saw (members may count one round apart)
+        group_round = max((info[0] for info in result.peers.values()), default=round_)
         decision = settle_anchor(
             self.anchor_ids[key],
             result.anchors if averaged else {},
             all_averaged=averaged and result.error is None and not result.failed_reducers,
-            round_=round_,
+            round_=group_round,
         )
         if decision.new_id is None:
             self._own_ids += 1
