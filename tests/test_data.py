@@ -46,6 +46,11 @@ def corpus(tmp_path) -> Path:
     return root
 
 
+def _number(n: int, files: int = 3, per_file: int = 20) -> int:
+    """The document number (see `spes_node.daemon.data`) of doc n of the `corpus` fixture: files interleaved."""
+    return (n % per_file) * files + n // per_file
+
+
 def _segments(batches) -> list[str]:
     """Texts between eos tokens in a batch stream, dropping the unterminated tail."""
     flat = torch.cat([b.reshape(-1) for b in batches]).tolist()
@@ -170,9 +175,9 @@ def test_parts_are_disjoint_and_cover_train_docs(tok, corpus):
     for i in range(num_parts):
         for j in range(i + 1, num_parts):
             assert not seen[i] & seen[j]
-    train = [_doc_text(i) for i in range(60) if not is_validation(i, 0.1)]
+    train = [i for i in range(60) if not is_validation(_number(i), 0.1)]
     for p in range(num_parts):
-        assert seen[p] == set(train[p::num_parts])
+        assert seen[p] == {_doc_text(i) for i in train if _number(i) % num_parts == p}
     assert 10 < len(train) < 60
 
 
@@ -181,7 +186,7 @@ def test_validation_is_held_out_and_shared(tok, corpus):
         str(corpus), tok, seq_len=15, batch_size=4, max_batches=100, val_fraction=0.1
     )
     val_docs = set(_segments(val_batches))
-    expected_val = {_doc_text(i) for i in range(60) if is_validation(i, 0.1)}
+    expected_val = {_doc_text(i) for i in range(60) if is_validation(_number(i), 0.1)}
     assert _doc_text(0) in expected_val
     assert val_docs <= expected_val and len(val_docs) >= len(expected_val) - 1
     for p in range(2):
@@ -195,8 +200,8 @@ def test_validation_batches_shape_and_order(tok, corpus):
     assert len(batches) == 3
     assert all(b.shape == (2, 8) and b.dtype == torch.int64 for b in batches)
     expected = []
-    for i in range(60):
-        if is_validation(i, 0.1):
+    for i in range(60):  # files in order
+        if is_validation(_number(i), 0.1):
             expected += list(_doc_text(i).encode()) + [EOS]
     assert torch.cat([b.reshape(-1) for b in batches]).tolist() == expected[:48]
 
@@ -489,3 +494,47 @@ def test_stream_ids_are_bytes(tok, tmp_path):
     row = b.next_batch()[0].numpy()
     assert np.array_equal(row, np.array(list(text.encode()) + [EOS]))
     assert tok(text, add_special_tokens=False)["input_ids"] == row[:-1].tolist()
+
+
+# --- streaming by node ---
+
+
+@pytest.mark.parametrize("num_parts, opened_per_part", [(4, 2), (2, 4), (8, 1), (3, 8)])
+def test_a_part_opens_only_its_files(tok, tmp_path, num_parts, opened_per_part):
+    """8 files: with num_parts dividing 8 a part opens 8 / num_parts files (a node never streams the whole
+    dataset); with num_parts coprime to 8 it opens all of them and keeps its documents. Either way the parts
+    are disjoint and cover the training documents."""
+    root = tmp_path / "eight"
+    root.mkdir()
+    for k in range(8):
+        _write_jsonl(root / f"f{k}.jsonl", range(10 * k, 10 * k + 10))
+    seen = []
+    for part in range(num_parts):
+        b = TokenBatcher(
+            str(root), tok, seq_len=15, batch_size=4, part=part, num_parts=num_parts, val_fraction=0.1
+        )
+        batches = [b.next_batch() for _ in range(60)]  # more than an epoch of a part
+        assert b.files_opened == set(data.part_files(8, part, num_parts))
+        assert len(b.files_opened) == opened_per_part
+        seen.append({s for s in _segments(batches) if DOC_RE.match(s)})
+    for i in range(num_parts):
+        for j in range(i + 1, num_parts):
+            assert not seen[i] & seen[j]
+    number = {i: _number(i, files=8, per_file=10) for i in range(80)}
+    train = {_doc_text(i) for i in range(80) if not is_validation(number[i], 0.1)}
+    assert set().union(*seen) == train
+    for part in range(num_parts):
+        assert seen[part] == {
+            _doc_text(i) for i in range(80) if _doc_text(i) in train and number[i] % num_parts == part
+        }
+
+
+def test_old_loader_state_starts_the_part_again(tok, corpus):
+    """A loader state of the single-stream format (version 1) is not resumed: the part starts from its beginning."""
+    b = TokenBatcher(str(corpus), tok, seq_len=15, batch_size=4, part=0, num_parts=2)
+    first = b.next_batch()
+    b.next_batch()
+    old = {**b.state_dict(), "version": 1}
+    restarted = TokenBatcher(str(corpus), tok, seq_len=15, batch_size=4, part=0, num_parts=2)
+    restarted.load_state_dict(old)
+    assert torch.equal(restarted.next_batch(), first)

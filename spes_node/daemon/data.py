@@ -6,16 +6,21 @@ A data spec names the source:
   "PATH"                          a local .parquet/.jsonl/.json/.txt file, a directory of them, or a glob
 and "SPEC#COLUMN" picks the text column (default "text").
 
-Documents are numbered in source order. Document 0 and a stable pseudo-random `val_fraction` of the others
-are held out for validation; the remaining training documents go to part `t % num_parts` by their training
-index t. A part's documents are shuffled within windows of `SHUFFLE_WINDOW` documents (seeded by seed, epoch
-and window), tokenized, each followed by eos, concatenated across documents and epochs, and cut into
-sequences of seq_len + 1 tokens. The position in that stream is the loader state.
+A source has F files (datasets' shards: the files of a local or hub dataset, the modules of the default corpus).
+Document i of file f has the number g = i * F + f (files interleaved). Document 0 and a stable pseudo-random
+`val_fraction` of the others are held out for validation; a training document belongs to part `g % num_parts`.
+A part's documents lie only in the files f with f = part (mod gcd(F, num_parts)), and a node opens only those
+files: with F a multiple of num_parts each node reads 1/num_parts of the dataset, never the whole stream (with F
+and num_parts coprime, e.g. one file, it reads every file and keeps its documents). A part's documents are
+shuffled within windows of `SHUFFLE_WINDOW` documents (seeded by seed, epoch and window), tokenized, each followed
+by eos, concatenated across documents and epochs, and cut into sequences of seq_len + 1 tokens. The position in
+that stream (file, the file's datasets state, documents read in it) is the loader state.
 """
 
 import copy
 import glob
 import logging
+import math
 import os
 import random
 import sysconfig
@@ -33,9 +38,12 @@ logger = logging.getLogger(__name__)
 
 SHUFFLE_WINDOW = 256
 """Documents of one part shuffled together; a window is read from the source in one go."""
+DEFAULT_CORPUS_FILES = 60
+"""The default corpus's modules in this many files: a divisor of 1-6, 10, 12, 15, 20, 30 and 60 nodes' parts."""
 ENCODE_CHUNK = 16
 """Documents tokenized in one call of a (non-byte) tokenizer."""
-STATE_VERSION = 1
+STATE_VERSION = 2
+"""2: positions are (file, file state, index); 1 (one stream over all files) is not resumed."""
 
 _FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".txt": "text"}
 _EXCLUDED_STDLIB_DIRS = frozenset(
@@ -139,6 +147,11 @@ class TokenBatcher:
         self.sequences += self.batch_size
         return torch.from_numpy(tokens.reshape(self.batch_size, self.seq_len + 1))
 
+    @property
+    def files_opened(self) -> set[int]:
+        """The source's files (datasets' shards) this batcher has read from."""
+        return set(self._source.files_opened)
+
     def state_dict(self) -> dict:
         """The stream position, JSON-serialisable; load_state_dict of it continues bit-identically."""
         return {
@@ -149,9 +162,9 @@ class TokenBatcher:
             "sequences": self.sequences,
             "epoch": self._epoch,
             "window": self._window,
-            "source_state": copy.deepcopy(self._window_start.source_state),
-            "source_index": self._window_start.source_index,
-            "train_index": self._window_start.train_index,
+            "file": self._window_start.file,
+            "file_state": copy.deepcopy(self._window_start.file_state),
+            "index": self._window_start.index,
             "doc": self._doc,
             "offset": self._offset,
         }
@@ -170,9 +183,7 @@ class TokenBatcher:
         self.sequences = state["sequences"]
         self._epoch = state["epoch"]
         self._window = state["window"]
-        self._window_start = _Cursor(
-            copy.deepcopy(state["source_state"]), state["source_index"], state["train_index"]
-        )
+        self._window_start = _Cursor(state["file"], copy.deepcopy(state["file_state"]), state["index"])
         self._docs = None
         self._rows = None
         self._doc = state["doc"]
@@ -212,12 +223,13 @@ class TokenBatcher:
             "window": SHUFFLE_WINDOW,
             "vocab_size": self._vocab_size,
             "eos": self._eos,
+            "files": self._source.num_files,
         }
 
     def _rewind(self, epoch: int) -> None:
         self._epoch = epoch
         self._window = 0
-        self._window_start = _Cursor(self._source.initial_state, 0, 0)
+        self._window_start = _Cursor(0, None, 0)
         self._docs: list[str] | None = None
         self._rows: list[np.ndarray | None] | None = None
         self._doc = 0
@@ -278,7 +290,7 @@ class TokenBatcher:
 def validation_batches(
     spec: str, tokenizer, seq_len: int, batch_size: int, max_batches: int, val_fraction: float = 0.02
 ) -> list[torch.LongTensor]:
-    """Up to max_batches batches of the held-out documents in source order, the same for every part.
+    """Up to max_batches batches of the held-out documents (files in order), the same for every part.
 
     Rows are full sequences of seq_len + 1 tokens; the last batch may have fewer rows.
     """
@@ -298,8 +310,8 @@ def validation_batches(
     wanted = max_batches * batch_size * (seq_len + 1)
     chunks, have = [], 0
     texts = []
-    for index, text in source.iter_documents(source.initial_state, 0):
-        if is_validation(index, val_fraction) and text:
+    for number, text in source.iter_all():
+        if is_validation(number, val_fraction) and text:
             texts.append(text)
         if len(texts) == ENCODE_CHUNK:
             have += _append_encoded(chunks, encode(texts), eos)
@@ -317,7 +329,8 @@ def validation_batches(
 
 
 def is_validation(index: int, val_fraction: float) -> bool:
-    """Whether source document `index` is held out: document 0 always, others with chance val_fraction."""
+    """Whether document number `index` (see the module docstring) is held out: document 0 always, others with
+    chance val_fraction."""
     if val_fraction <= 0:
         return False
     return index == 0 or _unit(index) < val_fraction
@@ -347,54 +360,88 @@ def stdlib_files() -> tuple[Path, list[str]]:
 
 @dataclass(frozen=True)
 class _Cursor:
-    """A position in the source: the datasets state there, and how many (training) documents came before."""
+    """A position in the source: a file, that file's datasets state there (None: its start), and how many of the
+    file's documents came before. File F (one past the last) is the end of the epoch."""
 
-    source_state: dict
-    source_index: int
-    train_index: int
+    file: int
+    file_state: dict | None
+    index: int
+
+
+def part_files(num_files: int, part: int, num_parts: int) -> list[int]:
+    """The files that hold documents of a part: f = part (mod gcd(num_files, num_parts))."""
+    step = math.gcd(num_files, num_parts)
+    return list(range(part % step, num_files, step))
 
 
 class _Source:
-    """The documents of one data spec as a streaming datasets.IterableDataset, checked when opened."""
+    """The documents of one data spec as a streaming datasets.IterableDataset, checked when opened, read file by
+    file (`IterableDataset.shard`), so that a part opens only its own files."""
 
     def __init__(self, spec: DataSpec):
         self.spec = spec
         self.dataset = _open(spec)
-        self.initial_state = self.dataset.state_dict()
+        self.num_files = max(1, self.dataset.n_shards)
         if spec.kind != "default":
             _check_first_document(self.dataset, spec)
+        self.files_opened: set[int] = set()
+        """Files this source has read from (what a node costs its storage or the hub)."""
         self._live: Iterator[tuple[int, str]] | None = None
         self._live_at: _Cursor | None = None
+        self._live_file = None
 
-    def iter_documents(self, source_state: dict, source_index: int) -> Iterator[tuple[int, str]]:
-        """(index, text) from a position; after each item, dataset.state_dict() is the position after it."""
-        self.dataset.load_state_dict(copy.deepcopy(source_state))
-        for index, example in enumerate(self.dataset, start=source_index):
-            yield index, example.get(self.spec.column) or ""
+    def _file(self, file: int) -> datasets.IterableDataset:
+        if self.num_files == 1:
+            return self.dataset
+        return self.dataset.shard(num_shards=self.num_files, index=file, contiguous=True)
+
+    def iter_file(self, file: int, state: dict | None, index: int) -> Iterator[tuple[int, str]]:
+        """(index in the file, text) from a position; after each item, `self._live_file.state_dict()` is the
+        position after it."""
+        self.files_opened.add(file)
+        dataset = self._live_file = self._file(file)
+        if state is not None:
+            dataset.load_state_dict(copy.deepcopy(state))
+        for i, example in enumerate(dataset, start=index):
+            yield i, example.get(self.spec.column) or ""
+
+    def iter_all(self) -> Iterator[tuple[int, str]]:
+        """(document number, text) of every document, file after file."""
+        for file in range(self.num_files):
+            for i, text in self.iter_file(file, None, 0):
+                yield i * self.num_files + file, text
 
     def read_part(
         self, start: _Cursor, count: int, part: int, num_parts: int, val_fraction: float
     ) -> tuple[list[str], _Cursor]:
         """Up to `count` non-empty training documents of a part from `start`, and the cursor after them.
 
-        Reading on from where the previous call ended continues the same iterator; any other start
-        reopens the dataset at start.source_state.
+        Reading on from where the previous call ended continues the same iterator; any other start reopens the
+        file at start.file_state. A start in a file without documents of the part moves to the part's next file.
         """
-        if self._live is None or self._live_at != start:
-            self._live = self.iter_documents(start.source_state, start.source_index)
-        docs = []
-        train_index = start.train_index
-        index = start.source_index - 1
-        for index, text in self._live:
-            if is_validation(index, val_fraction):
-                continue
-            train_index += 1
-            if (train_index - 1) % num_parts == part and text:
+        files = [f for f in part_files(self.num_files, part, num_parts) if f >= start.file]
+        docs: list[str] = []
+        cursor = start
+        for file in files:
+            if file != cursor.file:
+                cursor = _Cursor(file, None, 0)
+            if self._live is None or self._live_at != cursor:
+                self._live = self.iter_file(cursor.file, cursor.file_state, cursor.index)
+            index = cursor.index
+            for index, text in self._live:
+                number = index * self.num_files + file
+                if number % num_parts != part or is_validation(number, val_fraction) or not text:
+                    continue
                 docs.append(text)
                 if len(docs) == count:
                     break
-        self._live_at = _Cursor(self.dataset.state_dict(), index + 1, train_index)
-        return docs, self._live_at
+            else:  # the file is done
+                cursor = _Cursor(file + 1, None, 0)
+                self._live = self._live_at = None
+                continue
+            cursor = self._live_at = _Cursor(file, self._live_file.state_dict(), index + 1)
+            return docs, cursor
+        return docs, _Cursor(self.num_files, None, 0)
 
 
 def _open(spec: DataSpec) -> datasets.IterableDataset:
@@ -402,9 +449,13 @@ def _open(spec: DataSpec) -> datasets.IterableDataset:
         root, files = stdlib_files()
         if not files:
             raise ValueError(f"data: the default corpus is empty: no .py files under {root}")
+        # DEFAULT_CORPUS_FILES groups of modules are the corpus's files (datasets' shards), so that a node reading
+        # one part opens only its groups (see `part_files`)
+        groups = min(DEFAULT_CORPUS_FILES, len(files))
+        bounds = [len(files) * k // groups for k in range(groups + 1)]
         return datasets.IterableDataset.from_generator(
             _read_source_files,
-            gen_kwargs={"root": str(root), "paths": files},
+            gen_kwargs={"root": str(root), "groups": [files[a:b] for a, b in zip(bounds, bounds[1:])]},
             features=datasets.Features({"text": datasets.Value("string")}),
         )
     if spec.kind == "hf":
@@ -426,8 +477,8 @@ def _open(spec: DataSpec) -> datasets.IterableDataset:
         raise ValueError(f"data: cannot open {spec.describe()}: {_reason(exc)}") from exc
 
 
-def _read_source_files(root: str, paths: list[str]) -> Iterator[dict]:
-    for path in paths:
+def _read_source_files(root: str, groups: list[list[str]]) -> Iterator[dict]:
+    for path in (path for group in groups for path in group):
         try:
             with open(os.path.join(root, path), encoding="utf-8") as f:
                 text = f.read()
