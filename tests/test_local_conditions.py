@@ -23,7 +23,9 @@ from safetensors import SafetensorError
 import spes_node.daemon.checkpoint
 import spes_node.logs
 from spes_node.cli import main
+from spes_node.config import load_preset
 from spes_node.daemon.checkpoint import CheckpointError, CheckpointManager
+from spes_node.daemon.checkpoint_writer import CheckpointWriter
 from spes_node.daemon.node import Node, NodeOptions
 from spes_node.swarm.identity import load_or_create_identity
 
@@ -212,24 +214,29 @@ def _node_with_state(directory: Path) -> Node:
     node.trainer = SimpleNamespace(step=1, optimizer_state_by_name=lambda: {})
     node.sync = SimpleNamespace(outer_state_dict=lambda: {})
     node.checkpoints = CheckpointManager(directory)
+    node.checkpoint_writer = CheckpointWriter(node.checkpoints)
+    node.cfg = load_preset("tiny")
     return node
 
 
 def test_full_disk_during_a_periodic_checkpoint_logs_and_trains_on(tmp_path, monkeypatch, caplog):
     node = _node_with_state(tmp_path)
     node.save_checkpoint()
+    assert node.checkpoint_writer.wait(60)
     node.trainer.step = 2
     writer = spes_node.daemon.checkpoint.save_file
     monkeypatch.setattr(spes_node.daemon.checkpoint, "save_file", _failing_writer)
-    with caplog.at_level(logging.ERROR, logger="spes_node.daemon.node"):
-        node.save_checkpoint()  # must not raise: the training loop goes on
+    with caplog.at_level(logging.ERROR, logger="spes_node.daemon"):
+        node.save_checkpoint()  # must not raise: the background write fails, the training loop goes on
+        assert node.checkpoint_writer.wait(60)
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1, errors
     assert "step 2" in errors[0] and "No space left on device" in errors[0], errors[0]
-    assert "previous checkpoint" in errors[0] and "training goes on" in errors[0], errors[0]
+    assert "previous checkpoint is kept" in errors[0], errors[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
     assert node.checkpoints.latest().step == 1
 
     monkeypatch.setattr(spes_node.daemon.checkpoint, "save_file", writer)
     node.save_checkpoint()  # the failed step is not remembered as saved: the next try writes it
+    assert node.checkpoint_writer.wait(60)
     assert node.checkpoints.latest().step == 2
