@@ -19,7 +19,7 @@ import tomllib
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"  # also reachable as configs/ at the top level
 FROZEN_DTYPES = ("fp32", "bf16", "int8")
 OUTER_OPTIMIZERS = ("average", "nesterov")
-WIRE_COMPRESSIONS = ("none", "fp16", "uint8", "int8")
+WIRE_COMPRESSIONS = ("none", "fp16", "int8")
 AVERAGE_MODES = ("weights", "updates")
 MAX_HEARTBEAT_S = 3600.0
 """Longest heartbeat period: records expire after 3 heartbeats, so a dead node shows for up to 3 of them."""
@@ -183,7 +183,8 @@ class SwarmConfig:
     frozen_dtype: str = "fp32"
     """Storage of frozen experts: fp32, bf16 or int8."""
     wire_compression: str = "fp16"
-    """Compression of tensors on the wire: none, fp16, uint8 (hivemind's uniform) or int8 (blockwise absmax)."""
+    """Compression of tensors on the wire: none, fp16 or int8 (blockwise absmax, meant for `average = "updates"`;
+    state served to joiners and refreshes always travels at fp16 or better)."""
     average: str = "weights"
     """What the all-reduces average: 'weights', or 'updates' (the pseudo-gradient since the last sync, with error
     feedback of what compression drops)."""
@@ -224,7 +225,12 @@ class SwarmConfig:
         _require(
             self.wire_compression in WIRE_COMPRESSIONS,
             "swarm.wire_compression",
-            f"must be one of {WIRE_COMPRESSIONS}",
+            f"must be one of {WIRE_COMPRESSIONS}"
+            + (
+                " (uint8, hivemind's uniform 8-bit, does not decode with numpy 2: use int8)"
+                if self.wire_compression == "uint8"
+                else ""
+            ),
         )
         _require(self.average in AVERAGE_MODES, "swarm.average", f"must be one of {AVERAGE_MODES}")
         _require(self.outer_lr > 0, "swarm.outer_lr", "must be positive")

@@ -55,7 +55,7 @@ HOST_RUNTIME = 3 * GIB
 the hivemind DHT and averager processes, p2pd and the data pipeline."""
 COMPUTES = ("bf16", "fp32")
 FROZEN_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
-WIRE_SNAPSHOT_BYTES = {"fp16": 2, "none": 4, "uint8": 2, "int8": 2}
+WIRE_SNAPSHOT_BYTES = {"fp16": 2, "none": 4, "int8": 2}
 """Bytes per element of the served snapshots (`SpesRound.start`: fp32 when the wire is uncompressed, else fp16:
 served state is weights and is never quantised to 8 bits)."""
 
