@@ -24,10 +24,10 @@ logger = logging.getLogger(__name__)
 
 GOALS = {
     "memory_ratio": ("<=", 0.45),
-    "bytes_per_round_ratio_vs_diloco": ("<=", 0.6),
+    "bytes_per_round_ratio_vs_diloco": ("<=", 0.5),
     "link_utilisation": (">=", 0.8),
-    "throughput_ratio": (">=", 0.9),
-    "val_loss_ratio_vs_centralized": ("<=", 1.05),
+    "throughput_ratio": (">=", 0.95),
+    "val_loss_ratio_vs_centralized": ("<=", 1.02),
 }
 
 
@@ -124,6 +124,7 @@ def gather(results: dict[str, dict], errors: dict[str, str], seconds: float, loa
         },
         "throughput_ratio_overlap": get("throughput", "throughput_ratio_overlap"),
         "throughput_raw_tokens_per_s_ratio": get("throughput", "raw_tokens_per_s_ratio"),
+        "val_loss_ratio_std": get("quality", "val_loss_ratio_std"),
         "val_loss_ratios": get("quality", "ratios"),
         "scale": scale_detail,
         "gpu_step": results.get("gpu_step"),
