@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from spes_node.daemon.round import apply_update, initial_anchor_id, settle_anchor
+from spes_node.daemon.round import (
+    apply_update,
+    initial_anchor_id,
+    resync_acceptable,
+    settle_anchor,
+    update_norm,
+)
 from spes_node.swarm.averaging import NesterovOuter, PlainAverage, next_anchor_id
 
 
@@ -82,3 +88,18 @@ def test_nesterov_update_keeps_its_anchor_as_previous():
     # v = 0.5; new = 1.0 - 0.7 * (0.5 + 0.9 * 0.5)
     torch.testing.assert_close(local["w"], torch.full((4,), 1.0 - 0.7 * 0.95))
     torch.testing.assert_close(outer.previous["w"], local["w"])
+
+
+def test_a_groups_weights_are_taken_only_near_ours():
+    ours = {"w": torch.ones(100)}
+    update = {"w": torch.full((100,), 0.01)}  # norm 0.1
+    norm = update_norm(update)
+    assert abs(norm - 0.1) < 1e-6
+    near = {"w": ours["w"] + 0.05}  # 0.5 away: five updates
+    assert resync_acceptable(near, ours, norm) is None
+    far = {"w": ours["w"] + 1.0}  # 10 away: a hundred updates (a poisoned or unrelated model)
+    assert "more than" in resync_acceptable(far, ours, norm)
+    poisoned = {"w": torch.full((100,), float("nan"))}
+    assert "not finite" in resync_acceptable(poisoned, ours, norm)
+    # fp16 rounding of a snapshot alone is always acceptable, even after a round without updates
+    assert resync_acceptable({"w": ours["w"].half().float() + 1e-4}, ours, 0.0) is None

@@ -441,7 +441,7 @@ class SpesRound:
                 apply_update(outer, local, sent, self.anchor(key), averaged)
                 resync = self._settle_anchor(key, result, averaged is not None, report.round)
                 if resync is not None:
-                    resyncs.append((key, *resync))
+                    resyncs.append((key, *resync, update_norm(averaged)))
             else:
                 apply_outer(outer, local, sent, averaged)
             self.fetcher.vouch(result.peers)
@@ -457,8 +457,8 @@ class SpesRound:
             if target is not None:
                 self._catch_up(report, nodes, target)
             else:
-                for key, anchor_id, peers, their_round in resyncs:
-                    self._resync(report, key, anchor_id, peers, their_round)
+                for key, anchor_id, peers, their_round, norm in resyncs:
+                    self._resync(report, key, anchor_id, peers, their_round, norm)
             report.refreshed, report.merged = self._refresh_and_merge(nodes, report.round)
             self._maybe_rebalance(nodes, inputs.me, report.round)
             report.shards = self.shards
@@ -521,10 +521,13 @@ class SpesRound:
         return None
 
     def _resync(
-        self, report: RoundReport, key: str, anchor_id: str, peers: list[str], their_round: int
+        self, report: RoundReport, key: str, anchor_id: str, peers: list[str], their_round: int, norm: float
     ) -> None:
         """Take a group's weights from members that shared an anchor other than ours (we missed rounds, joined, or
-        caught up): an update applied to another anchor would never bring us together again."""
+        caught up): an update applied to another anchor would never bring us together again.
+
+        Weights from peers are untrusted: they are taken only if they lie within `resync_acceptable`'s distance
+        of ours (a few of this round's averaged updates, `norm`); a node further off catches up instead."""
         part = "shared" if key == "shared" else f"shard:{key[len('shard') :]}"
         try:
             _, download = self.loop.run(
@@ -532,6 +535,13 @@ class SpesRound:
             )
         except TransferError as e:
             logger.warning(f"{part}: keeps an anchor of its own this round: {e}")
+            return
+        current = (
+            shared_parameters(self.model) if key == "shared" else shard_tensors(self.model, int(key[5:]))
+        )
+        reason = resync_acceptable(download.tensors, current, norm)
+        if reason is not None:
+            logger.warning(f"{part}: not taking the group's weights: {reason}")
             return
         if key == "shared":
             with torch.no_grad():
@@ -930,3 +940,37 @@ def apply_update(outer, local: dict, sent: dict | None, anchor: dict, update: di
     if delta is not None:
         for k, tensor in local.items():
             tensor.copy_(target[k] + delta[k])
+
+
+RESYNC_UPDATES = 8.0
+"""How many of a round's averaged updates (by norm) a group's weights may lie from ours to be taken."""
+RESYNC_RELATIVE = 2e-3
+"""Plus this fraction of our weights' norm: fp16 snapshots round each weight by up to 2^-11 of itself."""
+
+
+def update_norm(update: Mapping[str, torch.Tensor] | None) -> float:
+    if not update:
+        return 0.0
+    return float(torch.sqrt(sum(t.float().pow(2).sum() for t in update.values())))
+
+
+def resync_acceptable(
+    downloaded: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor], norm: float
+) -> str | None:
+    """None when `downloaded` (a group's weights, from peers) is finite and within RESYNC_UPDATES averaged updates
+    (`norm`) plus RESYNC_RELATIVE of our weights' norm of ours; else why not. Bounds what a group whose anchor
+    claims are false can do to a node that follows them: move it by a few rounds' worth of updates."""
+    distance, own = 0.0, 0.0
+    for name, mine in current.items():
+        theirs = downloaded[name].float().to(mine.device)
+        if not torch.isfinite(theirs).all():
+            return f"{name} is not finite"
+        distance += float((theirs - mine.float()).pow(2).sum())
+        own += float(mine.float().pow(2).sum())
+    distance, own = distance**0.5, own**0.5
+    bound = RESYNC_UPDATES * norm + RESYNC_RELATIVE * own
+    if distance > bound:
+        return (
+            f"they are {distance:.4g} from ours, more than {bound:.4g} ({RESYNC_UPDATES:g} rounds' updates)"
+        )
+    return None
