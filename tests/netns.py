@@ -257,6 +257,11 @@ class HostSwarm(Swarm):
         ]  # fmt: skip
         if key and self.key_file is not None:
             cmd += ["--swarm-key-file", str(self.key_file)]
+        if not any(arg in ("--shard", "--shards", "--max-shards") for arg in args):
+            cmd += [
+                "--shards",
+                "1",
+            ]  # as before shards by capacity: --shards auto would hold every tiny shard here
         cmd += list(args)
         with open(self.tmp / f"{name}.log", "w") as log:
             proc = subprocess.Popen(

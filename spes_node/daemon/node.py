@@ -308,7 +308,9 @@ class Node:
             swarm_key=self.opts.swarm_key,
             client_mode=self.opts.client_mode,
         )
-        self.sync.start(self.status.round, fresh=checkpoint is None)
+        # the config's seeded initial weights, the same on every node that neither resumed nor loaded --init-from
+        fresh = checkpoint is None and self.opts.init_from is None
+        self.sync.start(self.status.round, fresh=fresh)
         if checkpoint is not None:
             self._restore_outer(checkpoint)
         live = [n.round for n in nodes.values() if n.state in records.ACTIVE_STATES]
@@ -317,6 +319,10 @@ class Node:
             # also at round 0: the swarm may have started from --init-from weights; the state of the round most
             # live nodes are in (a holder one round behind would start us a round late)
             taken = self.sync.take_swarm_state(nodes, self.status.round, min_round=consensus_round(live) or 0)
+            if fresh and taken is not None and taken.round == 0:
+                # the swarm's round-0 state is the seeded initial weights we hold too (at wire precision):
+                # keep their shared anchor id instead of one of our own
+                self.sync.adopt_initial_anchor()
             self._take_state(taken)
             self._join_mid_round()
         elif behind is not None:

@@ -15,6 +15,7 @@ takes are the pure functions at the end of this module.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import threading
@@ -258,6 +259,11 @@ class SpesRound:
         self.shard_outers = {shard: self._outer(shard_tensors(self.model, shard)) for shard in self.shards}
         for key, tensors in self._groups():
             self._reanchor(key, tensors, anchor_id)
+
+    def adopt_initial_anchor(self) -> None:
+        """Name every group's anchor as the config's seeded initial weights (after downloading round-0 state)."""
+        for key in self.anchor_ids:
+            self.anchor_ids[key] = initial_anchor_id(self.config_hash)
 
     def _groups(self) -> list[tuple[str, dict[str, torch.Tensor]]]:
         """(anchor key, live tensors) of every group this node averages."""
@@ -600,27 +606,23 @@ class SpesRound:
         holders = {shard: self.fetcher.holders(nodes, shard, self.bans.active()) for shard in wanted}
         expected = {shard: self._expected(f"shard:{shard}") for shard in wanted}
 
+        async def one(shard: int) -> int:
+            try:
+                _, download = await self.fetcher.fetch(
+                    holders[shard], f"{kind}:{shard}", expected[shard], min_round, exact=kind == "premerge"
+                )
+            except TransferError as e:
+                logger.warning(f"refresh of shard {shard} skipped: {e}")
+                return 0
+            with self._pending_lock:
+                self._refresh_bytes += download.nbytes
+                self._pending[shard] = download.tensors
+            return 1
+
         async def refresh():
-            count = 0
-            for shard in wanted:
-                if not holders[shard]:
-                    continue
-                try:
-                    _, download = await self.fetcher.fetch(
-                        holders[shard],
-                        f"{kind}:{shard}",
-                        expected[shard],
-                        min_round,
-                        exact=kind == "premerge",
-                    )
-                except TransferError as e:
-                    logger.warning(f"refresh of shard {shard} skipped: {e}")
-                    continue
-                with self._pending_lock:
-                    self._refresh_bytes += download.nbytes
-                    self._pending[shard] = download.tensors
-                count += 1
-            return count
+            # every shard at once, each from its own holders: the downloads share the links of several peers
+            # instead of taking turns (what is held at the end is the same: every refreshed shard until applied)
+            return sum(await asyncio.gather(*(one(shard) for shard in wanted if holders[shard])))
 
         self._refresh = self.loop.submit(refresh())
 
