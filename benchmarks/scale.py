@@ -141,6 +141,7 @@ def measure_join(maddr: str, config_path: Path, run_id: str, workdir: Path) -> d
     cmd = python_cmd(
         "benchmarks.node_runner", "join", "--run-id", run_id, "--peers", maddr, "--config", str(config_path),
         "--checkpoint-dir", str(directory), "--device", "cpu", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+        "--shards", "1",  # a joiner of one shard, as measured before shards by capacity
     )  # fmt: skip
     env = {
         **os.environ,
