@@ -23,6 +23,7 @@ from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage
 
+from spes_node.procs import descendants
 from spes_node.swarm.averaging import GroupAverager
 
 TENSOR_VALUES = 1 << 22
@@ -31,30 +32,10 @@ TENSOR_VALUES = 1 << 22
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def process_tree(root: int) -> list[int]:
-    """`root` and every process below it (read from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo.extend(children.get(pid, []))
-    return tree
-
-
 def cpu_seconds(root: int) -> dict[str, float]:
     """CPU seconds (user + system) so far of each process in the tree, summed by process name."""
     by_name: dict[str, float] = {}
-    for pid in process_tree(root):
+    for pid in [root, *descendants(root)]:
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:

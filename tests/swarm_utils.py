@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+import hivemind
 import pytest
 
 from spes_node.config import load_preset
@@ -164,3 +165,15 @@ class Swarm:
                 proc.wait(30)
         if names is None:
             self.bootstrap.shutdown()
+
+
+def loopback_dhts(count: int) -> list[hivemind.DHT]:
+    """`count` DHT peers on 127.0.0.1, the others bootstrapped from the first."""
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    others = [
+        hivemind.DHT(
+            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs()
+        )
+        for _ in range(count - 1)
+    ]
+    return [first, *others]

@@ -3,9 +3,9 @@ every member, the weights mode and fp16/fp32 unchanged, anchors and the outer st
 
 from __future__ import annotations
 
-import hivemind
 import pytest
 import torch
+from swarm_utils import loopback_dhts
 
 from spes_node.swarm.averaging import (
     GroupAverager,
@@ -25,15 +25,9 @@ MATCHMAKING = 2.0
 
 @pytest.fixture(scope="module")
 def dhts():
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    others = [
-        hivemind.DHT(
-            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs()
-        )
-        for _ in range(2)
-    ]
-    yield [first, *others]
-    for dht in [first, *others]:
+    peers = loopback_dhts(3)
+    yield peers
+    for dht in peers:
         dht.shutdown()
 
 

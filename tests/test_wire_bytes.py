@@ -3,9 +3,9 @@ fp16 and int8, of the order of hivemind's butterfly formula, the same for weight
 
 from __future__ import annotations
 
-import hivemind
 import pytest
 import torch
+from swarm_utils import loopback_dhts
 
 from spes_node.swarm.averaging import GroupAverager, estimated_bytes
 
@@ -17,15 +17,9 @@ MEMBERS = 3
 
 @pytest.fixture(scope="module")
 def dhts():
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    others = [
-        hivemind.DHT(
-            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs()
-        )
-        for _ in range(MEMBERS - 1)
-    ]
-    yield [first, *others]
-    for dht in [first, *others]:
+    peers = loopback_dhts(MEMBERS)
+    yield peers
+    for dht in peers:
         dht.shutdown()
 
 
