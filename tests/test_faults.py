@@ -277,13 +277,19 @@ def test_bad_peer_cannot_drag_honest_weights_and_is_ignored_afterwards(host_swar
         assert swarm.wait_exit(name, 300) == 0, swarm.log(name)[-3000:]
     bad_id = peer_id_of(swarm.tmp / "bad" / "identity.key").to_base58()
 
+    # every honest node bans it once they meet; under load matchmaking may split the swarm into pairs, and a node
+    # may first meet the bad peer in its last round: what follows a ban is checked on the nodes that have rounds
+    # after theirs, and there must be some
+    rounds_after_a_ban = 0
     for name in honest:
         assert f"ignoring peer {bad_id}" in swarm.log(name), swarm.log(name)[-3000:]
         rounds = swarm.summary(name)["rounds"]
         bans = [i for i, r in enumerate(rounds) if bad_id in r["banned"]]
-        assert bans and bans[0] < len(rounds) - 1, ("no round after the first ban to check", name, rounds)
+        assert bans, (name, rounds)
         after = rounds[bans[0] + 1 :]
-        assert all(bad_id in r["banned"] and r["shared_group"] <= 3 for r in after), rounds
+        assert all(bad_id in r["banned"] and r["shared_group"] <= 3 for r in after), (name, rounds)
+        rounds_after_a_ban += len(after)
+    assert rounds_after_a_ban >= 2, "no rounds after the bans to check"
 
     states = {name: swarm.checkpoint(name).tensors for name in honest}
     assert all(torch.isfinite(t).all() for state in states.values() for t in state.values())

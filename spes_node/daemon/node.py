@@ -329,7 +329,7 @@ class Node:
             resumed_round = self.status.round
             self._take_state(self.sync.take_swarm_state(nodes, self.status.round, min_round=behind))
             if self.status.round > resumed_round:
-                self.save_checkpoint()
+                self.save_checkpoint(wait=True)  # written before we say so: the first steps run after it
                 logger.info(
                     f"caught up from round {resumed_round} to the swarm's round {self.status.round} "
                     f"(checkpoint at step {self.trainer.step})"
@@ -661,7 +661,7 @@ class Node:
         if leaving:
             self.status.state = "leaving"
             try:
-                self.save_checkpoint(final=True)
+                self.save_checkpoint(wait=True)
             except Exception as e:
                 logger.error(f"final checkpoint failed: {e}")
             self.write_summary()
@@ -802,14 +802,14 @@ class Node:
         ):
             self.save_checkpoint()
 
-    def save_checkpoint(self, final: bool = False) -> None:
+    def save_checkpoint(self, wait: bool = False) -> None:
         """Snapshot the node's state (the training thread waits only for these CPU copies) and write it in the
-        background; skipped while another write is in flight. `final`: first wait for a write in flight (at most
-        `FINAL_WRITE_WAIT_S`), then for this one."""
+        background; skipped while another write is in flight. `wait` (the final checkpoint, the one after a
+        catch-up): first wait for a write in flight (at most `FINAL_WRITE_WAIT_S`), then for this one."""
         writer = self.checkpoint_writer
-        if final and not writer.wait(FINAL_WRITE_WAIT_S):
+        if wait and not writer.wait(FINAL_WRITE_WAIT_S):
             logger.error(
-                f"no final checkpoint: the write of step {writer.records[-1].step} did not end within "
+                f"no checkpoint of step {self.trainer.step}: the write of step {writer.records[-1].step} did not end within "
                 f"{FINAL_WRITE_WAIT_S:.0f}s and is abandoned; the checkpoint before it is kept"
             )
             return
@@ -843,7 +843,7 @@ class Node:
             return take_snapshot(self.trainer.step, tensors, meta, optimizer)
 
         writer.submit(take, key=(self.trainer.step, self.status.round))
-        if final:
+        if wait:
             writer.wait()
 
     def write_summary(self) -> None:
