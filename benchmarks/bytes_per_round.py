@@ -1,7 +1,10 @@
 """bytes_per_round_ratio_vs_diloco: bytes a node sends plus receives per round, SPES versus the DiLoCo stand-in.
 
 Both swarms run the same model, the same number of nodes and the same wire precision; the DiLoCo stand-in is the
-same code with one shard holding every expert (every node trains and all-reduces the whole model). Each node sits
+same code with one shard holding every expert (every node trains and all-reduces the whole model). A second pair
+(`bytes_per_round_ratio_vs_diloco_int8`) averages int8 pseudo-gradients with error feedback and a Nesterov outer
+step on both sides, as DiLoCo is deployed; state served to refreshes and joiners stays at fp16 (weights are never
+sent at 8 bits). Each node sits
 in its own network namespace, so the headline counts real bytes on its link (all traffic: all-reduce, refresh, DHT,
 headers), per complete round window. The breakdown by kind is the nodes' own accounting: all-reduce bytes are
 computed by the node from hivemind's butterfly formula at wire precision, refresh bytes are the serialized tensor
@@ -33,7 +36,10 @@ SETTINGS = {
     "rounds": 2,
     "rate_mbit": 200,
     "timeout_s": 900,
+    "int8": True,
 }
+UPDATES_INT8 = {"average": "updates", "wire_compression": "int8", "outer_optimizer": "nesterov"}
+"""The int8 pair: pseudo-gradients at 8 bits with error feedback, DiLoCo's Nesterov outer step."""
 KINDS = ("shared", "shard", "refresh_received", "refresh_served")
 
 
@@ -41,18 +47,17 @@ def configs(settings: dict) -> dict[str, SpesConfig]:
     base = load_preset(settings["preset"])
     n = settings["num_nodes"]
     spes_shards = settings["spes_num_shards"]
-    return {
-        "spes": base.replace(
-            swarm={
-                "num_shards": spes_shards,
-                "sync_steps": settings["sync_steps"],
-                "replication_target": n // spes_shards,
-            }
-        ),
-        "diloco": base.replace(
-            swarm={"num_shards": 1, "sync_steps": settings["sync_steps"], "replication_target": n}
-        ),
+    spes = {
+        "num_shards": spes_shards,
+        "sync_steps": settings["sync_steps"],
+        "replication_target": n // spes_shards,
     }
+    diloco = {"num_shards": 1, "sync_steps": settings["sync_steps"], "replication_target": n}
+    cfgs = {"spes": base.replace(swarm=spes), "diloco": base.replace(swarm=diloco)}
+    if settings.get("int8"):
+        cfgs["spes_int8"] = base.replace(swarm={**spes, **UPDATES_INT8})
+        cfgs["diloco_int8"] = base.replace(swarm={**diloco, **UPDATES_INT8})
+    return cfgs
 
 
 def per_round(run: NetworkRun) -> dict:
@@ -94,13 +99,15 @@ def analytic(cfg: SpesConfig, num_nodes: int, num_shards: int, replicas: int) ->
     Butterfly all-reduce in a group of g: a node sends and receives 2 (g-1)/g of the vector each. Refresh: a node
     receives the (S-1)/S experts it does not hold; serving is spread over the holders, so on average it also sends
     that much. DiLoCo: the whole model in a group of n. Server (the reference): upload shared + own experts,
-    download the full model, every round.
+    download the full model, every round. Refreshes move weights, which travel at fp16 even when the all-reduces
+    send int8 updates (fp32 only with an uncompressed wire).
     """
     counts = analytic_param_count(cfg.model)
     w = WIRE_BYTES[cfg.swarm.wire_compression]
+    w_state = WIRE_BYTES["none" if cfg.swarm.wire_compression == "none" else "fp16"]
     shared, experts, total = counts["shared"], counts["experts"], counts["total"]
     n, S, r = num_nodes, num_shards, replicas
-    refresh = (S - 1) / S * experts * w / cfg.swarm.refresh_every
+    refresh = (S - 1) / S * experts * w_state / cfg.swarm.refresh_every
     spes = {
         "shared": 4 * (n - 1) / n * shared * w,
         "shard": 4 * (r - 1) / r * experts / S * w if r > 1 else 0.0,
@@ -148,6 +155,15 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
     spes, diloco = measured["spes"], measured["diloco"]
     headline_kind = "payload_total" if netns_problem else "wire_total"
     predicted = analytic(cfgs["spes"], n, S, n // S)
+    int8 = {}
+    if "spes_int8" in measured:
+        int8 = {
+            "bytes_per_round_ratio_vs_diloco_int8": measured["spes_int8"][headline_kind]
+            / measured["diloco_int8"][headline_kind],
+            "payload_ratio_vs_diloco_int8": measured["spes_int8"]["payload_total"]
+            / measured["diloco_int8"]["payload_total"],
+            "analytic_int8_same_setting": analytic(cfgs["spes_int8"], n, S, n // S),
+        }
     extrapolated = {
         f"{preset} S={shards} n={nodes} refresh_every={every}": analytic(
             load_preset(preset).replace(swarm={"num_shards": shards, "refresh_every": every}),
@@ -161,6 +177,7 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
     results = {
         "bytes_per_round_ratio_vs_diloco": spes[headline_kind] / diloco[headline_kind],
         "payload_ratio_vs_diloco": spes["payload_total"] / diloco["payload_total"],
+        **int8,
         "measured": measured,
         "analytic_same_setting": predicted,
         "analytic_other_settings": extrapolated,
@@ -171,30 +188,30 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
         ),
     }
     mb = 1e6
+    names = list(measured)
     rows = [
         [
             kind,
-            spes["payload_by_kind"][kind] / mb,
+            *(measured[name]["payload_by_kind"][kind] / mb for name in names),
             predicted[f"spes_{kind}"] / mb,
-            diloco["payload_by_kind"][kind] / mb,
         ]
         for kind in KINDS
     ]
     rows.append(
         [
             "payload total",
-            spes["payload_total"] / mb,
+            *(measured[name]["payload_total"] / mb for name in names),
             predicted["spes_total"] / mb,
-            diloco["payload_total"] / mb,
         ]
     )
-    rows.append(["on the wire (tx+rx)", spes["wire_total"] / mb, None, diloco["wire_total"] / mb])
+    rows.append(["on the wire (tx+rx)", *(measured[name]["wire_total"] / mb for name in names), None])
     emit(
         table(
-            ["MB per node per round", "SPES", "SPES analytic", "DiLoCo"],
+            ["MB per node per round", *names, "spes analytic"],
             rows,
             title=f"bytes per round ({settings['preset']}, {n} nodes, SPES S={S} x {n // S} replicas, "
-            f"{cfgs['spes'].swarm.wire_compression} on the wire, {settings['rate_mbit']} Mbit/s links)",
+            f"{cfgs['spes'].swarm.wire_compression} weights or int8 updates on the wire, "
+            f"{settings['rate_mbit']} Mbit/s links)",
         )
     )
     emit(
@@ -202,6 +219,12 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
         f"{results['payload_ratio_vs_diloco']:.3f}, analytic {predicted['spes_vs_diloco']:.3f}; reference server scheme "
         f"{predicted['server_total'] / mb:.1f} MB per node ({predicted['server_vs_diloco']:.3f} of DiLoCo)"
     )
+    if int8:
+        emit(
+            f"int8 updates, ratio vs DiLoCo int8: wire {int8['bytes_per_round_ratio_vs_diloco_int8']:.3f}, payload "
+            f"{int8['payload_ratio_vs_diloco_int8']:.3f}, analytic "
+            f"{int8['analytic_int8_same_setting']['spes_vs_diloco']:.3f} (refreshes move fp16 weights)"
+        )
     emit(
         table(
             ["analytic setting", "SPES MB", "DiLoCo MB", "server MB", "SPES/DiLoCo"],

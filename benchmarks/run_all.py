@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 GOALS = {
     "memory_ratio": ("<=", 0.45),
     "bytes_per_round_ratio_vs_diloco": ("<=", 0.5),
+    "bytes_per_round_ratio_vs_diloco_int8": ("<=", 0.6),
     "link_utilisation": (">=", 0.8),
     "throughput_ratio": (">=", 0.95),
     "val_loss_ratio_vs_centralized": ("<=", 1.02),
@@ -86,6 +87,9 @@ def gather(results: dict[str, dict], errors: dict[str, str], seconds: float, loa
     headline = {
         "memory_ratio": get("memory", "memory_ratio"),
         "bytes_per_round_ratio_vs_diloco": get("bytes_per_round", "bytes_per_round_ratio_vs_diloco"),
+        "bytes_per_round_ratio_vs_diloco_int8": get(
+            "bytes_per_round", "bytes_per_round_ratio_vs_diloco_int8"
+        ),
         "link_utilisation": get("link_utilisation", "link_utilisation"),
         "throughput_ratio": get("throughput", "throughput_ratio"),
         "val_loss_ratio_vs_centralized": get("quality", "val_loss_ratio_vs_centralized"),

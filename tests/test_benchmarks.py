@@ -43,6 +43,17 @@ def test_analytic_spes_breakdown():
     )
 
 
+def test_analytic_int8_updates_still_refresh_at_fp16():
+    cfg = load_preset("small").replace(
+        swarm={"num_shards": 2, "average": "updates", "wire_compression": "int8"}
+    )
+    counts = analytic_param_count(cfg.model)
+    a = analytic(cfg, num_nodes=4, num_shards=2, replicas=2)
+    assert a["spes_shard"] == pytest.approx(2 * counts["experts"] / 2 * 1)
+    assert a["spes_refresh_received"] == pytest.approx(counts["experts"] / 2 * 2)  # weights, at fp16
+    assert a["diloco_total"] == pytest.approx(4 * 3 / 4 * counts["total"] * 1)
+
+
 def test_memory_bound_for_all_experts_is_sixteen_bytes_per_parameter():
     cfg = load_preset("small")
     total = analytic_param_count(cfg.model)["total"]
