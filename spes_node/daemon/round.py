@@ -2,7 +2,8 @@
 
 1. shared parameters averaged over every node that reaches the round within the matchmaking window;
 2. each shard the node trains averaged among its replicas only (all all-reduces run at the same time);
-3. frozen experts refreshed from their holders every `refresh_every` rounds, in the background;
+3. frozen experts refreshed from their holders every `refresh_every` rounds, in the background: by the holder's
+   update of the round when the node's copy is one round old (`refresh_by_update`), by the whole shard otherwise;
 4. the expert-merging warm-up on the node's own experts, when due.
 No step waits for a particular peer: a group of one is a no-op, a failed all-reduce keeps the local weights.
 A node's round moves by one per round; it jumps ahead only by catching up to a round most other nodes report
@@ -20,7 +21,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 import hivemind
@@ -45,9 +46,9 @@ from spes_node.swarm.averaging import (
 from spes_node.swarm.fetch import StateFetcher
 from spes_node.swarm.progress import should_catch_up, wait_for_peers
 from spes_node.swarm.robust import BanList
-from spes_node.swarm.snapshots import FrozenShard, SnapshotPublisher, cpu_copy
+from spes_node.swarm.snapshots import FrozenShard, SnapshotPublisher, add_update, cpu_copy
 from spes_node.swarm.swarm_key import SwarmKey
-from spes_node.swarm.transfer import StateServer, TransferError
+from spes_node.swarm.transfer import Download, StateServer, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,15 @@ class _Flight:
         return [self.shared, *self.shards.values()]
 
 
+@dataclass
+class _Refresh:
+    """A frozen shard's download, applied between steps: `part` ("shard", "premerge" or "update") from `peer`."""
+
+    part: str
+    peer: str
+    download: Download
+
+
 class SpesRound:
     def __init__(
         self,
@@ -182,11 +192,13 @@ class SpesRound:
         self.server: StateServer | None = None
         self.last_report: dict = {}
         self._inflight: _Flight | None = None
-        self._pending: dict[int, dict[str, torch.Tensor]] = {}
+        self._pending: dict[int, _Refresh] = {}
         self._pending_lock = threading.Lock()
         self._refresh: concurrent.futures.Future | None = None
         self._refresh_bytes = 0
-        """Bytes downloaded by background refreshes since the last report."""
+        """Bytes downloaded by background refreshes since the last call of `take_refresh_bytes`."""
+        self._held: dict[int, HeldCopy] = {}
+        """Frozen shard -> what its copy holds, when that is a holder's served state (see `refresh_by_update`)."""
         self._round_started = time.perf_counter()
         self._round_seconds: float | None = None
         """How long our last round took (local steps and sync)."""
@@ -217,7 +229,7 @@ class SpesRound:
         self.loop.run(self.server.start())
         # what is served travels at that precision anyway: keep the snapshots at that precision, not fp32
         dtype = torch.float16 if state_wire == "fp16" else torch.float32
-        self.publisher = SnapshotPublisher(self.server, self.loop, dtype)
+        self.publisher = SnapshotPublisher(self.server, self.loop, dtype, updates=swarm.refresh_by_updates)
         self.fetcher = StateFetcher(
             self.p2p,
             self.run_id,
@@ -325,9 +337,10 @@ class SpesRound:
             keyed.append(("shard" if index == 0 else f"shard:{shard}", shard, self.shard_outers.get(shard)))
         return keyed
 
-    def publish_snapshots(self, round_: int, premerge: bool = False) -> None:
+    def publish_snapshots(self, round_: int, premerge: bool = False, restart: bool = False) -> None:
         """Serve the state as it is now, as of round `round_` (see `snapshots.SnapshotPublisher`); with `premerge`,
-        the own shards also as this round's merge inputs."""
+        the own shards also as this round's merge inputs; with `restart`, the own shards changed within a round
+        already published (their update chains start again)."""
         model = self.model
         frozen = {
             shard: FrozenShard(
@@ -339,7 +352,12 @@ class SpesRound:
         }
         own = {shard: shard_tensors(model, shard) for shard in self.shards}
         self.publisher.publish(
-            round_, shared_parameters(model), own, frozen, premerge=self.shards if premerge else ()
+            round_,
+            shared_parameters(model),
+            own,
+            frozen,
+            premerge=self.shards if premerge else (),
+            restart=restart,
         )
 
     # ------------------------------------------------------------------ the round
@@ -598,31 +616,68 @@ class SpesRound:
         ) in self.shards:  # replicas merge the same inputs alike: the merged weights keep the anchor's id
             key = f"shard{shard}"
             self._reanchor(key, shard_tensors(self.model, shard), self.anchor_ids.get(key))
-        self.publish_snapshots(round_)
+        self.publish_snapshots(round_, restart=True)
         return refreshed, True
 
     def start_refresh(self, nodes: dict, min_round: int, kind: str = "shard") -> None:
-        wanted = [s for s in range(self.cfg.swarm.num_shards) if s not in self.shards]
+        """Download every frozen shard of round `min_round` or later (exactly, for "premerge") in the background,
+        each from its own holders: by its holder's update when `refresh_by_update` says so, falling back to the
+        whole shard when that fails; `apply_pending` loads them."""
+        swarm = self.cfg.swarm
+        wanted = [s for s in range(swarm.num_shards) if s not in self.shards]
         holders = {shard: self.fetcher.holders(nodes, shard, self.bans.active()) for shard in wanted}
         expected = {shard: self._expected(f"shard:{shard}") for shard in wanted}
+        by_update = {
+            shard: self._held[shard].peer
+            for shard in wanted
+            if kind == "shard" and refresh_by_update(self._held.get(shard), min_round, holders[shard], swarm)
+        }
 
-        async def one(shard: int) -> int:
-            try:
-                _, download = await self.fetcher.fetch(
-                    holders[shard], f"{kind}:{shard}", expected[shard], min_round, exact=kind == "premerge"
-                )
-            except TransferError as e:
-                logger.warning(f"refresh of shard {shard} skipped: {e}")
-                return 0
+        async def one(shard: int) -> _Refresh | None:
+            refresh = None
+            if shard in by_update:
+                try:
+                    peer, download = await self.fetcher.fetch(
+                        [by_update[shard]], f"update:{shard}", expected[shard], min_round, exact=True
+                    )
+                    refresh = _Refresh("update", peer, download)
+                except TransferError as e:
+                    logger.info(f"shard {shard}: no update of round {min_round}, taking the whole shard: {e}")
+            if refresh is None:
+                try:
+                    peer, download = await self.fetcher.fetch(
+                        holders[shard],
+                        f"{kind}:{shard}",
+                        expected[shard],
+                        min_round,
+                        exact=kind == "premerge",
+                    )
+                except TransferError as e:
+                    logger.warning(f"refresh of shard {shard} skipped: {e}")
+                    return None
+                refresh = _Refresh(kind, peer, download)
             with self._pending_lock:
                 self._refresh_bytes += download.nbytes
-                self._pending[shard] = download.tensors
-            return 1
+                self._pending[shard] = refresh
+            return refresh
 
         async def refresh():
             # every shard at once, each from its own holders: the downloads share the links of several peers
             # instead of taking turns (what is held at the end is the same: every refreshed shard until applied)
-            return sum(await asyncio.gather(*(one(shard) for shard in wanted if holders[shard])))
+            done = await asyncio.gather(*(one(shard) for shard in wanted if holders[shard]))
+            done = [r for r in done if r is not None]
+            by_part = {}
+            for r in done:
+                count, nbytes = by_part.get(r.part, (0, 0))
+                by_part[r.part] = (count + 1, nbytes + r.download.nbytes)
+            if by_part:
+                logger.info(
+                    f"refresh of round {min_round}: "
+                    + ", ".join(
+                        f"{count} {part} ({nbytes} bytes)" for part, (count, nbytes) in by_part.items()
+                    )
+                )
+            return len(done)
 
         self._refresh = self.loop.submit(refresh())
 
@@ -633,13 +688,43 @@ class SpesRound:
         return nbytes
 
     def apply_pending(self) -> int:
-        """Load downloaded frozen experts into the model (between steps, on the training thread)."""
+        """Load downloaded frozen experts into the model (between steps, on the training thread): a whole shard as
+        it is, an update added to the copy; returns how many shards changed."""
         with self._pending_lock:
             pending, self._pending = self._pending, {}
-        for shard, tensors in pending.items():
-            if shard not in self.shards:
-                load_shard_tensors(self.model, shard, tensors)
-        return len(pending)
+        applied = 0
+        for shard, refresh in pending.items():
+            if shard in self.shards:
+                continue
+            held = self._held.pop(shard, None)
+            tensors = refresh.download.tensors
+            if refresh.part == "update":
+                tensors = self._follow(shard, held, refresh)
+                if tensors is None:
+                    continue
+            load_shard_tensors(self.model, shard, tensors)
+            applied += 1
+            # a premerge copy is no round's served shard: the next refresh takes the whole shard
+            if refresh.part != "premerge":
+                updates = held.updates + 1 if refresh.part == "update" else 0
+                self._held[shard] = HeldCopy(refresh.download.round, refresh.peer, updates)
+        return applied
+
+    def _follow(self, shard: int, held: HeldCopy | None, refresh: _Refresh) -> dict[str, torch.Tensor] | None:
+        """The frozen copy of `shard` with the holder's update added (`snapshots.add_update`); None, leaving the
+        copy as it is, when the copy is not the update's base or the sum is not finite."""
+        round_ = refresh.download.round
+        if held is None or (held.round, held.peer) != (round_ - 1, refresh.peer):
+            logger.warning(f"shard {shard}: the update of round {round_} is not for our copy: not applied")
+            return None
+        current = shard_tensors(self.model, shard)
+        out = {}
+        for name, delta in refresh.download.tensors.items():
+            out[name] = add_update(current[name], delta, self.publisher.dtype).float()
+            if not torch.isfinite(out[name]).all():
+                logger.warning(f"shard {shard}: the update of round {round_} from {refresh.peer} overflows")
+                return None
+        return out
 
     def finish_pending(self) -> int:
         """Wait for the refresh in flight (at most its timeout; a stopping node does not wait) and apply it.
@@ -692,14 +777,19 @@ class SpesRound:
                 continue
             peers, part = self.fetcher.sources(nodes, shard, excluded)
             try:
-                _, download = self.loop.run(self.fetcher.fetch(peers, part, self._expected(part), min_round))
+                peer, download = self.loop.run(
+                    self.fetcher.fetch(peers, part, self._expected(part), min_round)
+                )
             except TransferError as e:
                 logger.warning(f"shard {shard} keeps its local weights: {e}")
                 continue
             load_shard_tensors(self.model, shard, download.tensors)
+            self._held.pop(shard, None)
+            if shard not in self.shards and part == f"shard:{shard}":
+                self._held[shard] = HeldCopy(download.round, peer)
             total += download.nbytes
         self.reset_outer()
-        self.publish_snapshots(round_)
+        self.publish_snapshots(round_, restart=True)
         taken = StateTaken(round_, round_ * self.cfg.swarm.sync_steps, total, time.perf_counter() - start)
         logger.info(
             f"downloaded the swarm state ({total / 1e6:.2f} MB) in {taken.seconds:.1f}s, round {round_}"
@@ -727,6 +817,7 @@ class SpesRound:
             self.set_ownership(list(shards))
         if download is not None:
             load_shard_tensors(self.model, new, download.tensors)
+        self._held.pop(new, None)
         self.shards = shards
         self.shard_avgs.pop(old).shutdown()
         self.shard_avgs[new] = self._averager(f"shard{new}", cpu_copy(shard_tensors(self.model, new)))
@@ -796,6 +887,33 @@ def wait_cap(last_round_seconds: float | None, matchmaking_time: float) -> float
 def refresh_due(round_: int, swarm: SwarmConfig) -> bool:
     """Frozen experts are refreshed after every `refresh_every`-th round."""
     return round_ % swarm.refresh_every == 0
+
+
+@dataclass(frozen=True)
+class HeldCopy:
+    """A frozen copy that holds a holder's served state: its round, that holder, and how many updates in a row it
+    has followed since it took the whole shard."""
+
+    round: int
+    peer: str
+    updates: int = 0
+
+
+LOSSY_UPDATE_CHAIN = 4
+"""A frozen copy stored in bf16 or int8 follows at most this many updates in a row, then takes the whole shard:
+its storage rounds every sum (and drops an update smaller than half its precision), and over a chain of updates
+those roundings add up instead of staying within one."""
+
+
+def refresh_by_update(
+    held: HeldCopy | None, round_: int, holders: Collection[str], swarm: SwarmConfig
+) -> bool:
+    """Whether a frozen copy is refreshed to round `round_` by its holder's update (the change since the round
+    before, against what that holder served) rather than the whole shard: the copy is of round `round_ - 1`, it
+    came from a holder we may still ask, and a copy stored lossily has not yet followed `LOSSY_UPDATE_CHAIN`."""
+    if not swarm.refresh_by_updates or held is None or held.round != round_ - 1 or held.peer not in holders:
+        return False
+    return swarm.frozen_dtype == "fp32" or held.updates < LOSSY_UPDATE_CHAIN
 
 
 def merge_due_at(round_: int, swarm: SwarmConfig) -> bool:

@@ -26,7 +26,8 @@ Shapes = Mapping[str, torch.Size]
 
 
 class StateFetcher:
-    """Downloads parts of the model state ("shared", "shard:<j>", "copy:<j>", "premerge:<j>") from live peers."""
+    """Downloads parts of the model state ("shared", "shard:<j>", "copy:<j>", "premerge:<j>", "update:<j>": see
+    `snapshots`) from live peers."""
 
     def __init__(
         self,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from hivemind.compression import CompressionBase, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import P2P, P2PContext, PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from spes_node.proto.state_pb2 import StateRequest
@@ -38,7 +38,8 @@ class TransferError(Exception):
 @dataclass
 class Snapshot:
     round: int
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor | runtime_pb2.Tensor]
+    """Tensors, serialized with the server's codec when asked for, or already serialized (sent as they are)."""
 
 
 @dataclass
@@ -105,7 +106,9 @@ class StateServer:
         metadata = json.dumps({"round": snapshot.round, "names": names}).encode()
         first = True
         for name in names:
-            serialized = serialize_torch_tensor(snapshot.tensors[name], self.compression.compression_type)
+            serialized = snapshot.tensors[name]
+            if not isinstance(serialized, runtime_pb2.Tensor):
+                serialized = serialize_torch_tensor(serialized, self.compression.compression_type)
             for chunk in split_for_streaming(serialized):
                 self.bytes_sent += len(chunk.buffer)
                 yield averaging_pb2.DownloadData(tensor_part=chunk, metadata=metadata if first else b"")

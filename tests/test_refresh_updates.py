@@ -1,0 +1,254 @@
+"""Frozen experts refreshed by the round's update: the holder's update chain, the receiver's choice between update
+and whole shard, applying an update to a frozen copy, and two nodes that refresh each other's shard by updates."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from swarm_utils import Swarm
+
+from spes_node.config import load_preset
+from spes_node.daemon.checkpoint import META_FILE, MODEL_FILE, CheckpointManager
+from spes_node.daemon.round import LOSSY_UPDATE_CHAIN, HeldCopy, SpesRound, _Refresh, refresh_by_update
+from spes_node.model.moe import MoEForCausalLM
+from spes_node.model.ownership import apply_ownership, shard_tensors
+from spes_node.swarm.codecs import WIRE_CODECS
+from spes_node.swarm.snapshots import SnapshotPublisher, add_update, encode_update
+from spes_node.swarm.transfer import Download
+
+# ---------------------------------------------------------------------------------------------- the chain
+
+
+def _trajectory(rounds: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Weights of a holder over rounds: weights of the tiny preset's scale, each round moved by an update about
+    1% of their size (as a round of local steps moves them)."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = {"w": 0.02 * torch.randn(64, 1024, generator=generator)}
+    out = [weights]
+    for _ in range(rounds):
+        weights = {k: v + 2e-4 * torch.randn(v.shape, generator=generator) for k, v in weights.items()}
+        out.append(weights)
+    return out
+
+
+def _received(serialized) -> dict[str, torch.Tensor]:
+    """What a receiver decodes from a served update (the codec hivemind's deserializer calls for its type)."""
+    return {name: WIRE_CODECS["int8"].extract(tensor) for name, tensor in serialized.items()}
+
+
+def _max_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def _rms_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k].float() - b[k].float()).pow(2).mean().sqrt()) for k in a)
+
+
+def test_a_follower_of_the_chain_stays_within_one_rounds_rounding_however_many_rounds():
+    fp16 = torch.float16
+    weights = _trajectory(100)
+    served = {k: v.to(fp16) for k, v in weights[0].items()}
+    chain, follower = served, {k: v.float() for k, v in served.items()}  # the follower took the whole shard
+    naive = dict(follower)  # updates against the exact previous weights instead of the chain
+    worst, errors, naive_errors = 0.0, [], []
+    for before, now in zip(weights, weights[1:]):
+        served = {k: v.to(fp16) for k, v in now.items()}
+        update, chain = encode_update(chain, served, fp16)
+        follower = {k: add_update(follower[k], d, fp16).float() for k, d in _received(update).items()}
+        assert all(torch.equal(follower[k], chain[k].float()) for k in chain), "follower and chain differ"
+        worst = max(worst, _max_error(follower, now))
+        errors.append(_rms_error(follower, now))
+        exact_update, _ = encode_update({k: v.to(fp16) for k, v in before.items()}, served, fp16)
+        naive = {k: add_update(naive[k], d, fp16).float() for k, d in _received(exact_update).items()}
+        naive_errors.append(_rms_error(naive, now))
+    # one round's rounding: the update's int8 step (a block's largest change / 254) plus fp16's half step at the
+    # weights' largest size (0.1 here); and the error of the last rounds is that of the first, not sqrt(rounds) x
+    one_round = float((weights[1]["w"] - weights[0]["w"]).abs().max()) / 254 + 2.0**-11 * 0.1
+    assert worst <= 2 * one_round, (worst, one_round)
+    assert max(errors[-10:]) <= 1.1 * max(errors[:10]), errors
+    # what the chain is for: without it, rounding piles up over the rounds (about 2.6 x after 100 rounds here)
+    assert min(naive_errors[-10:]) > 2 * max(errors[-10:]), (naive_errors[-10:], errors[-10:])
+
+
+def test_an_update_travels_in_about_half_the_bytes_of_the_shard_at_fp16():
+    weights = _trajectory(1)
+    base = {k: v.to(torch.float16) for k, v in weights[0].items()}
+    update, _ = encode_update(base, {k: v.to(torch.float16) for k, v in weights[1].items()}, torch.float16)
+    nbytes = sum(len(t.buffer) for t in update.values())
+    numel = sum(v.numel() for v in base.values())
+    assert nbytes == numel * (1 + 4 / 1024), nbytes  # int8 per value and one fp32 scale per 1024 values
+
+
+# ---------------------------------------------------------------------------------------------- the choice
+
+
+def test_a_copy_one_round_old_from_a_live_holder_is_refreshed_by_update_otherwise_whole():
+    swarm = load_preset("tiny").swarm
+    assert swarm.refresh_by_updates, "on by default"
+    held = HeldCopy(round=6, peer="h")
+    assert refresh_by_update(held, 7, ["x", "h"], swarm)
+    assert not refresh_by_update(held, 8, ["h"], swarm), "two rounds behind: the whole shard"
+    assert not refresh_by_update(held, 6, ["h"], swarm), "already of that round"
+    assert not refresh_by_update(None, 7, ["h"], swarm), "a copy of no holder's state (seeded, premerge)"
+    assert not refresh_by_update(held, 7, ["x"], swarm), "its holder left: another holder's chain differs"
+    off = load_preset("tiny").replace(swarm={"refresh_by_updates": False}).swarm
+    assert not refresh_by_update(held, 7, ["h"], off)
+    lossy = load_preset("tiny").replace(swarm={"frozen_dtype": "bf16"}).swarm
+    long_chain = HeldCopy(round=6, peer="h", updates=LOSSY_UPDATE_CHAIN)
+    assert refresh_by_update(HeldCopy(6, "h", LOSSY_UPDATE_CHAIN - 1), 7, ["h"], lossy)
+    assert not refresh_by_update(long_chain, 7, ["h"], lossy), "bf16 storage: the whole shard now and then"
+    assert refresh_by_update(long_chain, 7, ["h"], swarm), "fp32 storage holds the chain exactly"
+
+
+def test_the_switch_is_validated():
+    with pytest.raises(ValueError, match="refresh_by_updates"):
+        load_preset("tiny").replace(swarm={"refresh_by_updates": "yes"})
+
+
+# ---------------------------------------------------------------------------------------------- applying
+
+
+@pytest.mark.parametrize("frozen_dtype", ["fp32", "bf16", "int8"])
+def test_an_update_is_added_to_the_frozen_copy_only_when_it_is_the_updates_base(frozen_dtype):
+    cfg = load_preset("tiny").replace(swarm={"num_shards": 2, "frozen_dtype": frozen_dtype})
+    torch.manual_seed(0)
+    model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+    apply_ownership(model, [0], frozen_dtype)
+    spes_round = SpesRound(
+        cfg, run_id="t", config_hash="0" * 64, peer_id="me", dht=None, model=model, shards=[0],
+        stop_event=threading.Event(),
+    )  # fmt: skip
+    spes_round.publisher = SnapshotPublisher(server=None, loop=spes_round.loop, dtype=torch.float16)
+    try:
+        before = {k: v.clone() for k, v in shard_tensors(model, 1).items()}
+        delta = {k: torch.full_like(v, 1e-2) for k, v in before.items()}
+
+        def deliver(round_: int, tensors: dict, peer: str = "h") -> int:
+            spes_round._pending[1] = _Refresh("update", peer, Download(round_, tensors, 0, 0.0))
+            return spes_round.apply_pending()
+
+        spes_round._held[1] = HeldCopy(3, "h")
+        assert deliver(4, delta) == 1
+        after = shard_tensors(model, 1)
+        step = {"fp32": 2.0**-10, "bf16": 2.0**-7, "int8": 0.1}[frozen_dtype]  # storage's rounding, relative
+        for name, tensor in after.items():
+            expected = before[name] + 1e-2
+            assert torch.allclose(tensor, expected, atol=step * float(expected.abs().max())), name
+        assert spes_round._held[1] == HeldCopy(4, "h", 1)
+
+        moved = {k: v.clone() for k, v in after.items()}
+        assert deliver(6, delta) == 0, "an update of round 6 on a copy of round 4"
+        assert 1 not in spes_round._held, "the next refresh takes the whole shard"
+        spes_round._held[1] = HeldCopy(4, "h", 1)
+        assert deliver(5, delta, peer="other") == 0, "another holder's chain"
+        spes_round._held[1] = HeldCopy(4, "h", 1)
+        huge = {k: torch.full_like(v, 1e6) for k, v in delta.items()}  # finite, but past fp16 once added
+        assert deliver(5, huge) == 0
+        assert all(torch.equal(shard_tensors(model, 1)[k], moved[k]) for k in moved), "the copy changed"
+    finally:
+        spes_round.loop.stop()
+
+
+# ---------------------------------------------------------------------------------------------- swarm
+
+
+REFRESH_LINE = re.compile(r"refresh of round (\d+): (.*)")
+PART = re.compile(r"(\d+) (\w+) \((\d+) bytes\)")
+
+
+def _refreshes(log: str) -> list[dict[str, tuple[int, int]]]:
+    """Each refresh a node logged: part -> (shards, bytes)."""
+    return [
+        {part: (int(count), int(nbytes)) for count, part, nbytes in PART.findall(match[2])}
+        for match in REFRESH_LINE.finditer(log)
+    ]
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(900)
+def test_two_nodes_refresh_each_others_shard_by_updates(tmp_path):
+    """a holds shard 0, b shard 1 (tiny, 2 shards; no merge warm-up, whose rounds take whole shards): after b's
+    first refresh of shard 0, its refreshes are updates of about half the bytes of the whole shard, and b's frozen
+    copy of shard 0 ends within the chain's rounding of a's weights of that round."""
+    swarm = Swarm(
+        tmp_path, run_id="updrefresh", num_shards=2, merge_interval=100000, averaging_timeout=30.0,
+        matchmaking_time=4.0,
+    )  # fmt: skip
+    cfg = swarm.cfg.replace(train={"keep_checkpoints": 12})
+    config = tmp_path / "updates.json"
+    config.write_text(cfg.to_json())
+    rounds = 6
+    try:
+        swarm.start("a", "--shard", "0", config=config)
+        swarm.wait_for(lambda: "training shard 0" in swarm.log("a"), 300, "a training")
+        swarm.start("b", "--shard", "1", "--max-rounds", str(rounds), config=config)
+        assert swarm.wait_exit("b", 600) == 0, swarm.log("b")[-3000:]
+        b = swarm.summary("b")
+        swarm.wait_for(
+            lambda: any(n.public_name == "a" and n.round > b["round"] for n in swarm.nodes().values()),
+            120,
+            "a past b's last round",
+        )
+        swarm.kill("a")
+    finally:
+        swarm.close()
+    a_states = _round_end_states(cfg, tmp_path / "a", shard=0)
+    saved = swarm.checkpoint("b")
+    b_copy = shard_tensors(_model_of(cfg, saved.meta, saved.tensors), 0)
+
+    refreshes = _refreshes(swarm.log("b"))
+    print(f"b's refreshes of shard 0: {refreshes}")
+    assert len(refreshes) >= rounds, refreshes
+    assert all(set(r) == {"update"} for r in refreshes[1:]), refreshes
+    update_bytes = [r["update"][1] for r in refreshes[1:]]
+    numel = sum(t.numel() for t in b_copy.values())
+    # the whole shard travels at fp16 (2 bytes a weight), an update at 1 byte and a scale per 1024 weights
+    assert max(update_bytes) < 0.55 * 2 * numel, (update_bytes, numel)
+    if "shard" in refreshes[0]:
+        assert max(update_bytes) < 0.55 * refreshes[0]["shard"][1], refreshes[0]
+    assert "Traceback" not in swarm.log("a") + swarm.log("b")
+
+    # b's last refresh asked for its last round (a may have served a later one): the closest of a's round-end
+    # states is one of those, and b's copy lies within the chain's rounding of it. That rounding is at most twice
+    # (the follower's offset from its first whole download, and the last update) an int8 step of a round's change
+    # (its largest value / 254 per block) plus fp16's half step (2^-11 of the weight): at most a round's largest
+    # change / 127 plus 2^-10 of the largest weight. We allow 4 x the first term (a's checkpoint is fp32, the
+    # served state fp16) and check that a copy one round older would fail it.
+    def distance(state):
+        return distance_between(b_copy, state)
+
+    best = min(a_states, key=lambda r: distance(a_states[r]))
+    assert best >= b["round"], (best, b["round"], sorted(a_states))
+    change = distance_between(a_states[best], a_states[best - 1])
+    size = max(float(t.abs().max()) for t in a_states[best].values())
+    tolerance = change / 32 + 2.0**-10 * size
+    print(f"b's copy is {distance(a_states[best]):.3g} from a's round {best}; tolerance {tolerance:.3g}")
+    assert distance(a_states[best]) <= tolerance, (distance(a_states[best]), tolerance)
+    assert distance(a_states[best - 1]) > tolerance, "the tolerance cannot tell one round from the next"
+
+
+def distance_between(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _model_of(cfg, meta: dict, tensors: dict[str, torch.Tensor]) -> MoEForCausalLM:
+    model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+    apply_ownership(model, meta["shards"], cfg.swarm.frozen_dtype)
+    model.load_state_dict(tensors)
+    return model
+
+
+def _round_end_states(cfg, directory, shard: int) -> dict[int, dict[str, torch.Tensor]]:
+    """Round -> a shard's weights in the node's checkpoints written at a round's end (before its next steps)."""
+    states = {}
+    for path in CheckpointManager(directory).list():
+        meta = json.loads((path / META_FILE).read_text())["meta"]
+        if meta["steps_into_round"] == 0:
+            model = _model_of(cfg, meta, load_file(path / MODEL_FILE))
+            states[meta["round"]] = shard_tensors(model, shard)
+    return states
