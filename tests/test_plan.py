@@ -66,6 +66,14 @@ def test_tiny_by_hand():
     assert int8.frozen == 3 * shard + layers * 3 * 2 * 4 * (2 * ffn + d)  # fp32 scale per output row
 
 
+def test_the_checkpoint_copy_holds_frozen_experts_only_when_checkpoints_do():
+    cfg = load_preset("spes-1b")
+    without = memory_plan(cfg.replace(train={"checkpoint_frozen_experts": False}))
+    with_frozen = memory_plan(cfg.replace(train={"checkpoint_frozen_experts": True}))
+    assert with_frozen.host_checkpoint - without.host_checkpoint == with_frozen.frozen > 0
+    assert with_frozen.host_startup - without.host_startup == with_frozen.frozen
+
+
 def test_more_shards_hold_more_trainable_bytes():
     cfg = load_preset("spes-7b")
     plans = [memory_plan(cfg, held) for held in range(1, cfg.swarm.num_shards + 1)]

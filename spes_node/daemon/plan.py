@@ -171,7 +171,8 @@ class MemoryPlan:
     host_refresh: int
     """Refresh downloads of every other shard, fp32, held until the next round applies them."""
     host_checkpoint: int
-    """A checkpoint's CPU copy: trainable weights, AdamW moments (and outer state), frozen experts as stored."""
+    """A checkpoint's CPU copy: trainable weights, AdamW moments (and outer state), and the frozen experts as stored
+    when `train.checkpoint_frozen_experts` is on."""
     host_runtime: int
     """`HOST_RUNTIME`."""
     host_running: int
@@ -357,7 +358,8 @@ def memory_plan(
     host_allreduce = host_averager
     host_snapshots = wire * counts["total"]
     host_refresh = 4 * frozen_params
-    host_checkpoint = weights + optimizer + frozen + nesterov
+    # frozen experts only when checkpoints hold them (a resume without them refetches them from the swarm)
+    host_checkpoint = weights + optimizer + (frozen if t.checkpoint_frozen_experts else 0) + nesterov
     host_running = (
         HOST_RUNTIME + host_averager + host_snapshots + host_refresh + max(host_allreduce, host_checkpoint)
     )
