@@ -27,6 +27,7 @@ from spes_node.daemon.plan import (
     activation_bytes,
     max_shards,
     memory_plan,
+    param_counts,
     parse_size,
     plan_table,
 )
@@ -72,6 +73,20 @@ def test_the_checkpoint_copy_holds_frozen_experts_only_when_checkpoints_do():
     with_frozen = memory_plan(cfg.replace(train={"checkpoint_frozen_experts": True}))
     assert with_frozen.host_checkpoint - without.host_checkpoint == with_frozen.frozen > 0
     assert with_frozen.host_startup - without.host_startup == with_frozen.frozen
+
+
+def test_update_averaging_and_refresh_by_updates_are_counted():
+    cfg = load_preset("spes-1b").replace(swarm={"refresh_by_updates": False})
+    base = memory_plan(cfg)
+    trainable = base.trainable_params
+    plain = memory_plan(cfg.replace(swarm={"average": "updates", "wire_compression": "int8"}))
+    assert plain.outer - base.outer == 4 * trainable  # the anchor
+    assert plain.host_averager - base.host_averager == 4 * trainable  # the error-feedback residual
+    nesterov = memory_plan(cfg.replace(swarm={"outer_optimizer": "nesterov", "average": "updates"}))
+    assert nesterov.outer == memory_plan(cfg.replace(swarm={"outer_optimizer": "nesterov"})).outer
+    chains = memory_plan(cfg.replace(swarm={"refresh_by_updates": True}))
+    shard = param_counts(cfg.model, cfg.swarm.num_shards)["shard"]
+    assert chains.host_snapshots - base.host_snapshots == (2 + 1) * shard  # fp16 chain + int8 update
 
 
 def test_more_shards_hold_more_trainable_bytes():

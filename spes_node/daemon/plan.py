@@ -135,7 +135,8 @@ class MemoryPlan:
     frozen: int
     """Frozen experts at their storage precision."""
     outer: int
-    """Nesterov outer optimizer state and the overlap's copy of the trainable weights (0 as published)."""
+    """Nesterov outer optimizer state, the overlap's copy of the trainable weights and, averaging updates with the
+    plain average, the fp32 anchor (0 as published)."""
     activations: int
     """Activations kept for backward at the micro-batch, with the config's checkpointing setting."""
     working: int
@@ -162,12 +163,14 @@ class MemoryPlan:
     gpu_total_full: int
     # host
     host_averager: int
-    """fp32 buffers of the averaged tensors (shared parameters and held shards), in hivemind's shared memory."""
+    """fp32 buffers of the averaged tensors (shared parameters and held shards), in hivemind's shared memory, and
+    as much again for the error-feedback residual when averaging updates over a lossy wire."""
     host_allreduce: int
     """As much again after a round's all-reduce: the averaged result copied out of the averager (the all-reduce
     itself works on parts of a few MB)."""
     host_snapshots: int
-    """Served copies of the shared parameters and of every shard, at wire precision."""
+    """Served copies of the shared parameters and of every shard, at wire precision; with refresh by updates, also
+    each own shard's update chain at that precision and its served update (about 1 byte per weight)."""
     host_refresh: int
     """Refresh downloads of every other shard, fp32, held until the next round applies them."""
     host_checkpoint: int
@@ -322,7 +325,10 @@ def memory_plan(
     weights = grads = 4 * trainable
     optimizer = 8 * trainable
     nesterov = 8 * trainable if s.outer_optimizer == "nesterov" else 0  # previous weights and velocity
-    outer = nesterov + (4 * trainable if s.overlap else 0)  # overlap: the copy handed to the all-reduce
+    # overlap: the copy handed to the all-reduce; averaging updates with the plain average: the fp32 anchor (the
+    # weights at the last sync; Nesterov's previous weights serve as the anchor at no extra cost)
+    anchor = 4 * trainable if s.average == "updates" and s.outer_optimizer != "nesterov" else 0
+    outer = nesterov + (4 * trainable if s.overlap else 0) + anchor
     static = weights + optimizer + frozen + outer
 
     # between steps (no gradients, no activations): a round brings the averaged tensors of one group to the device
@@ -354,9 +360,13 @@ def memory_plan(
     kept, working, step, allocated, gpu_total = totals(t.activation_checkpointing)
 
     wire = WIRE_SNAPSHOT_BYTES[s.wire_compression]
-    host_averager = 4 * trainable
-    host_allreduce = host_averager
-    host_snapshots = wire * counts["total"]
+    host_allreduce = 4 * trainable
+    # averaging updates over a lossy wire: the error-feedback residual, fp32 in shared memory
+    residual = 4 * trainable if s.average == "updates" and s.wire_compression != "none" else 0
+    host_averager = 4 * trainable + residual
+    # refresh by updates: each own shard's update chain at snapshot precision and its served int8 update
+    chains = (wire + 1) * shards_held * counts["shard"] if s.refresh_by_updates else 0
+    host_snapshots = wire * counts["total"] + chains
     host_refresh = 4 * frozen_params
     # frozen experts only when checkpoints hold them (a resume without them refetches them from the swarm)
     host_checkpoint = weights + optimizer + (frozen if t.checkpoint_frozen_experts else 0) + nesterov
@@ -523,13 +533,13 @@ def plan_table(plan: MemoryPlan) -> str:
         (f"frozen experts ({plan.frozen_dtype})", plan.frozen, None),
     ]
     if plan.outer:
-        rows.append(("outer optimizer / overlap copies", plan.outer, None))
+        rows.append(("outer optimizer, anchor, overlap copies", plan.outer, None))
     rows += [
         ("activations at the micro-batch", plan.activations, None),
         ("working memory (backward, round)", plan.working, None),
         (f"allocator margin ({ALLOCATOR_MARGIN:.0%})", plan.margin, None),
         ("CUDA context and workspaces", plan.reserve, None),
-        ("averager buffers (fp32)", None, plan.host_averager),
+        ("averager buffers, residual (fp32)", None, plan.host_averager),
         ("served snapshots (all parts)", None, plan.host_snapshots),
         ("refresh downloads (fp32)", None, plan.host_refresh),
         ("all-reduce or checkpoint copy", None, max(plan.host_allreduce, plan.host_checkpoint)),
