@@ -621,28 +621,29 @@ class SpesRound:
 
     def start_refresh(self, nodes: dict, min_round: int, kind: str = "shard") -> None:
         """Download every frozen shard of round `min_round` or later (exactly, for "premerge") in the background,
-        each from its own holders: by its holder's update when `refresh_by_update` says so, falling back to the
-        whole shard when that fails; `apply_pending` loads them."""
+        each from its own holders: by the update that follows the copy when `refresh_by_update` says so, falling
+        back to the whole shard when that fails (or to nothing, when the copy is already of `min_round`);
+        `apply_pending` loads them."""
         swarm = self.cfg.swarm
         wanted = [s for s in range(swarm.num_shards) if s not in self.shards]
         holders = {shard: self.fetcher.holders(nodes, shard, self.bans.active()) for shard in wanted}
         expected = {shard: self._expected(f"shard:{shard}") for shard in wanted}
         by_update = {
-            shard: self._held[shard].peer
+            shard: self._held[shard]
             for shard in wanted
             if kind == "shard" and refresh_by_update(self._held.get(shard), min_round, holders[shard], swarm)
         }
 
         async def one(shard: int) -> _Refresh | None:
-            refresh = None
-            if shard in by_update:
-                try:
-                    peer, download = await self.fetcher.fetch(
-                        [by_update[shard]], f"update:{shard}", expected[shard], min_round, exact=True
-                    )
-                    refresh = _Refresh("update", peer, download)
-                except TransferError as e:
-                    logger.info(f"shard {shard}: no update of round {min_round}, taking the whole shard: {e}")
+            refresh, held = None, by_update.get(shard)
+            if held is not None:
+                download = await self.fetcher.fetch_update(
+                    held.peer, f"update:{shard}", expected[shard], held.round + 1
+                )
+                if download is not None:
+                    refresh = _Refresh("update", held.peer, download)
+                elif held.round >= min_round:
+                    return None  # the copy is of the round asked for already
             if refresh is None:
                 try:
                     peer, download = await self.fetcher.fetch(
@@ -908,10 +909,11 @@ those roundings add up instead of staying within one."""
 def refresh_by_update(
     held: HeldCopy | None, round_: int, holders: Collection[str], swarm: SwarmConfig
 ) -> bool:
-    """Whether a frozen copy is refreshed to round `round_` by its holder's update (the change since the round
-    before, against what that holder served) rather than the whole shard: the copy is of round `round_ - 1`, it
-    came from a holder we may still ask, and a copy stored lossily has not yet followed `LOSSY_UPDATE_CHAIN`."""
-    if not swarm.refresh_by_updates or held is None or held.round != round_ - 1 or held.peer not in holders:
+    """Whether a frozen copy is refreshed for round `round_` by the update that follows it (its holder's change of
+    round `held.round + 1`, against what that holder served) rather than the whole shard: the copy is of round
+    `round_ - 1` or later (a holder may count one round more than we do), it came from a holder we may still ask,
+    and a copy stored lossily has not yet followed `LOSSY_UPDATE_CHAIN` updates."""
+    if not swarm.refresh_by_updates or held is None or held.round < round_ - 1 or held.peer not in holders:
         return False
     return swarm.frozen_dtype == "fp32" or held.updates < LOSSY_UPDATE_CHAIN
 

@@ -89,18 +89,7 @@ class StateFetcher:
         last_error = None
         for peer in peers:
             try:
-                download = await download_part(
-                    self.p2p,
-                    PeerID.from_base58(peer),
-                    self.run_id,
-                    self.config_hash,
-                    part,
-                    expected,
-                    min_round=min_round,
-                    timeout=self.timeout,
-                    circuits=self.circuits.get(peer, ()),
-                    swarm_key=self.swarm_key,
-                )
+                download = await self._download(peer, part, expected, min_round)
                 if download.round < min_round or (exact and download.round != min_round):
                     raise TransferError(
                         f"{part} from {peer} is of round {download.round}, we asked for {min_round}"
@@ -114,3 +103,31 @@ class StateFetcher:
             self.failed.pop(peer, None)
             return peer, download
         raise TransferError(f"no peer could serve {part}: {last_error}")
+
+    async def fetch_update(self, peer: str, part: str, expected: Shapes, round_: int) -> Download | None:
+        """`part` of exactly round `round_` from `peer` (an update: only the chain of the peer that served our copy
+        fits it), or None. A peer on another round, or whose chain started again, is not at fault: it is neither
+        counted as failed nor warned about (the whole shard, fetched next, counts the peers that fail it)."""
+        try:
+            download = await self._download(peer, part, expected, round_)
+        except TransferError as e:
+            logger.info(f"no {part} of round {round_}: {e}")
+            return None
+        if download.round != round_:
+            logger.info(f"no {part} of round {round_}: {peer} serves round {download.round}")
+            return None
+        return download
+
+    async def _download(self, peer: str, part: str, expected: Shapes, min_round: int) -> Download:
+        return await download_part(
+            self.p2p,
+            PeerID.from_base58(peer),
+            self.run_id,
+            self.config_hash,
+            part,
+            expected,
+            min_round=min_round,
+            timeout=self.timeout,
+            circuits=self.circuits.get(peer, ()),
+            swarm_key=self.swarm_key,
+        )
