@@ -4,7 +4,7 @@ Both swarms run the same model, the same number of nodes and the same wire preci
 same code with one shard holding every expert (every node trains and all-reduces the whole model). A second pair
 (`bytes_per_round_ratio_vs_diloco_int8`) averages int8 pseudo-gradients with error feedback and a Nesterov outer
 step on both sides, as DiLoCo is deployed; state served to refreshes and joiners stays at fp16 (weights are never
-sent at 8 bits). Each node sits
+sent at 8 bits; a frozen copy one round old is refreshed by its holder's int8 update of the round). Each node sits
 in its own network namespace, so the headline counts real bytes on its link (all traffic: all-reduce, refresh, DHT,
 headers), per complete round window. The breakdown by kind is the nodes' own accounting: all-reduce bytes are
 computed by the node from hivemind's butterfly formula at wire precision, refresh bytes are the serialized tensor
@@ -99,12 +99,15 @@ def analytic(cfg: SpesConfig, num_nodes: int, num_shards: int, replicas: int) ->
     Butterfly all-reduce in a group of g: a node sends and receives 2 (g-1)/g of the vector each. Refresh: a node
     receives the (S-1)/S experts it does not hold; serving is spread over the holders, so on average it also sends
     that much. DiLoCo: the whole model in a group of n. Server (the reference): upload shared + own experts,
-    download the full model, every round. Refreshes move weights, which travel at fp16 even when the all-reduces
-    send int8 updates (fp32 only with an uncompressed wire).
+    download the full model, every round. A refresh every round moves each holder's int8 update of the round
+    (`swarm.refresh_by_updates`, the steady state: the first refresh of a copy takes the whole shard); otherwise
+    whole shards, as weights, which travel at fp16 even when the all-reduces send int8 updates (fp32 only with an
+    uncompressed wire).
     """
     counts = analytic_param_count(cfg.model)
     w = WIRE_BYTES[cfg.swarm.wire_compression]
-    w_state = WIRE_BYTES["none" if cfg.swarm.wire_compression == "none" else "fp16"]
+    by_update = cfg.swarm.refresh_by_updates and cfg.swarm.refresh_every == 1
+    w_state = WIRE_BYTES["int8" if by_update else "none" if cfg.swarm.wire_compression == "none" else "fp16"]
     shared, experts, total = counts["shared"], counts["experts"], counts["total"]
     n, S, r = num_nodes, num_shards, replicas
     refresh = (S - 1) / S * experts * w_state / cfg.swarm.refresh_every

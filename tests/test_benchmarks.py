@@ -43,15 +43,22 @@ def test_analytic_spes_breakdown():
     )
 
 
-def test_analytic_int8_updates_still_refresh_at_fp16():
-    cfg = load_preset("small").replace(
-        swarm={"num_shards": 2, "average": "updates", "wire_compression": "int8"}
-    )
-    counts = analytic_param_count(cfg.model)
-    a = analytic(cfg, num_nodes=4, num_shards=2, replicas=2)
+def test_analytic_refresh_moves_fp16_weights_or_int8_updates():
+    updates = {"num_shards": 2, "average": "updates", "wire_compression": "int8"}
+    whole = load_preset("small").replace(swarm={**updates, "refresh_by_updates": False})
+    counts = analytic_param_count(whole.model)
+    a = analytic(whole, num_nodes=4, num_shards=2, replicas=2)
     assert a["spes_shard"] == pytest.approx(2 * counts["experts"] / 2 * 1)
     assert a["spes_refresh_received"] == pytest.approx(counts["experts"] / 2 * 2)  # weights, at fp16
     assert a["diloco_total"] == pytest.approx(4 * 3 / 4 * counts["total"] * 1)
+    by_update = analytic(
+        whole.replace(swarm={"refresh_by_updates": True}), num_nodes=4, num_shards=2, replicas=2
+    )
+    assert by_update["spes_refresh_received"] == pytest.approx(counts["experts"] / 2 * 1)  # the int8 update
+    every_other = whole.replace(swarm={"refresh_by_updates": True, "refresh_every": 2})
+    assert analytic(every_other, 4, 2, 2)["spes_refresh_received"] == pytest.approx(
+        counts["experts"] / 2 * 2 / 2
+    )
 
 
 def test_memory_bound_for_all_experts_is_sixteen_bytes_per_parameter():
