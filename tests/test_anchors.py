@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from spes_node.daemon.round import (
+from spes_node.daemon.anchors import (
     apply_update,
     initial_anchor_id,
     resync_acceptable,

@@ -3,7 +3,7 @@
 import torch
 
 from spes_node.config import load_preset
-from spes_node.daemon.round import apply_outer
+from spes_node.daemon.anchors import apply_outer
 from spes_node.model.moe import MoEForCausalLM
 from spes_node.model.ownership import apply_ownership, load_shard_tensors, shard_tensors
 from spes_node.swarm.averaging import NesterovOuter, PlainAverage

@@ -65,8 +65,8 @@ def test_a_stopping_node_does_not_wait_for_its_refresh():
 def test_the_nesterov_outer_state_goes_through_a_checkpoint(tmp_path):
     import torch
 
+    from spes_node.daemon.anchors import apply_outer
     from spes_node.daemon.checkpoint import CheckpointManager
-    from spes_node.daemon.round import apply_outer
     from spes_node.model.moe import MoEForCausalLM
     from spes_node.model.ownership import apply_ownership, shared_parameters
 
