@@ -204,8 +204,11 @@ def test_two_nodes_refresh_each_others_shard_by_updates(tmp_path):
     refreshes = _refreshes(swarm.log("b"))
     print(f"b's refreshes of shard 0: {refreshes}")
     assert len(refreshes) >= rounds, refreshes
-    assert all(set(r) == {"update"} for r in refreshes[1:]), refreshes
-    update_bytes = [r["update"][1] for r in refreshes[1:]]
+    # after the first, refreshes are updates; on a loaded machine one may find its holder a round further on and
+    # take the whole shard instead (the fallback), never more than one
+    by_update = [r for r in refreshes[1:] if set(r) == {"update"}]
+    assert len(by_update) >= len(refreshes) - 2, refreshes
+    update_bytes = [r["update"][1] for r in by_update]
     numel = sum(t.numel() for t in b_copy.values())
     # the whole shard travels at fp16 (2 bytes a weight), an update at 1 byte and a scale per 1024 weights
     assert max(update_bytes) < 0.55 * 2 * numel, (update_bytes, numel)
