@@ -4,7 +4,9 @@ banned peer is refused as a leader too (pure, no network)."""
 import asyncio
 import inspect
 
+import pytest
 import torch
+from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.averaging.partition import TensorPartContainer
 from hivemind.p2p import PeerID
 
@@ -64,6 +66,47 @@ def test_a_banned_peer_is_not_asked_to_lead_our_group():
     finally:
         BanAwareMatchmaking.__mro__[1]._request_join_group = original
     assert asked == [other]
+
+
+@pytest.mark.parametrize("ended", ["assembled", "timed out", "cancelled"])
+def test_a_leader_that_begins_after_our_search_ended_is_declined_without_an_error(ended):
+    # hivemind asserts that our group is not assembled yet when a leader's "begin all-reduce" arrives; when the
+    # search ended in the same turn of the event loop, that assertion failed in a background task (a traceback
+    # in the node's log). We decline that leader instead.
+    leader = PeerID(b"late-leader-peer-id-bytes")
+
+    class Ended(BanAwareMatchmaking):
+        def __init__(self):  # no p2p: only the follower's decision is exercised
+            self.assembled_group = asyncio.get_running_loop().create_future()
+            if ended == "assembled":
+                self.assembled_group.set_result("our group")
+            elif ended == "timed out":
+                self.assembled_group.set_exception(asyncio.TimeoutError())
+                self.assembled_group.exception()  # retrieved, as hivemind's search does
+            else:
+                self.assembled_group.cancel()
+
+    async def decide():
+        matchmaking = Ended()
+        outcome = await matchmaking.follower_assemble_group(leader, msg=None)
+        return outcome, matchmaking.assembled_group
+
+    outcome, future = asyncio.run(decide())
+    assert outcome is None
+    assert future.cancelled() or future.exception() is not None or future.result() == "our group"
+
+    async def hivemind_alone():
+        matchmaking = Ended()
+        matchmaking.lock_looking_for_group, matchmaking.lock_request_join_group = (
+            asyncio.Lock(),
+            asyncio.Lock(),
+        )
+        matchmaking.current_leader = leader
+        async with matchmaking.lock_looking_for_group, matchmaking.lock_request_join_group:
+            return await Matchmaking.follower_assemble_group(matchmaking, leader, None)
+
+    with pytest.raises(AssertionError, match="^$"):  # hivemind's own `assert not self.assembled_group.done()`
+        asyncio.run(hivemind_alone())
 
 
 def test_robust_averagers_use_the_ban_aware_matchmaking():

@@ -775,8 +775,15 @@ class RobustAverager(DecentralizedAverager):
 
 
 class BanAwareMatchmaking(Matchmaking):
-    """hivemind's matchmaking that never asks a banned peer to lead our group (as a leader we refuse them in
-    `RobustAverager.rpc_join_group`): a node that caught a peer cheating meets it in neither role."""
+    """hivemind's matchmaking with two changes to how we join another peer's group:
+
+    - a banned peer is never asked to lead our group (as a leader we refuse them in
+      `RobustAverager.rpc_join_group`): a node that caught a peer cheating meets it in neither role;
+    - a leader's "begin all-reduce" that arrives after our search already ended (our group was assembled, or the
+      search timed out or was cancelled, in the same turn of the event loop) is declined instead of failing
+      hivemind's assertion in a background task, which logged a traceback and ended the search the same way.
+      The leader's all-reduce goes on without us, as it does for any member that does not show up.
+    """
 
     banned: frozenset[PeerID] = frozenset()
 
@@ -785,6 +792,12 @@ class BanAwareMatchmaking(Matchmaking):
             logger.debug(f"not joining the group of banned peer {leader}")
             return None
         return await super()._request_join_group(leader)
+
+    async def follower_assemble_group(self, leader: PeerID, msg):
+        if self.assembled_group.done():
+            logger.debug(f"{leader} began an all-reduce with us after our search had ended: not joining it")
+            return None
+        return await super().follower_assemble_group(leader, msg)
 
 
 # ---------------------------------------------------------------------------------------------- bans and faults
