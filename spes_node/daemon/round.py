@@ -641,6 +641,8 @@ class SpesRound:
             for shard in wanted
             if kind == "shard" and refresh_by_update(self._held.get(shard), min_round, holders[shard], swarm)
         }
+        # a copy that will follow its holder's updates comes whole from that holder, never split across several
+        follows = kind == "shard" and swarm.refresh_by_updates
 
         async def one(shard: int) -> _Refresh | None:
             refresh, held = None, by_update.get(shard)
@@ -660,6 +662,7 @@ class SpesRound:
                         expected[shard],
                         min_round,
                         exact=kind == "premerge",
+                        split=not follows,
                     )
                 except TransferError as e:
                     logger.warning(f"refresh of shard {shard} skipped: {e}")
@@ -785,16 +788,19 @@ class SpesRound:
             if shard in self.shards and not include_own:
                 continue
             peers, part = self.fetcher.sources(nodes, shard, excluded)
+            # a frozen copy of the holder's served shard; one that will follow the holder's updates comes whole
+            frozen = shard not in self.shards and part == f"shard:{shard}"
+            follows = frozen and self.cfg.swarm.refresh_by_updates
             try:
                 peer, download = self.loop.run(
-                    self.fetcher.fetch(peers, part, self._expected(part), min_round)
+                    self.fetcher.fetch(peers, part, self._expected(part), min_round, split=not follows)
                 )
             except TransferError as e:
                 logger.warning(f"shard {shard} keeps its local weights: {e}")
                 continue
             load_shard_tensors(self.model, shard, download.tensors)
             self._held.pop(shard, None)
-            if shard not in self.shards and part == f"shard:{shard}":
+            if frozen:
                 self._held[shard] = HeldCopy(download.round, peer)
             total += download.nbytes
         self.reset_outer()
@@ -901,7 +907,9 @@ def refresh_due(round_: int, swarm: SwarmConfig) -> bool:
 @dataclass(frozen=True)
 class HeldCopy:
     """A frozen copy that holds a holder's served state: its round, that holder, and how many updates in a row it
-    has followed since it took the whole shard."""
+    has followed since it took the whole shard. A copy that will follow updates is downloaded whole from its holder;
+    one split across holders (`StateFetcher.fetch`, only where copies follow no updates) names the one that sent the
+    most."""
 
     round: int
     peer: str

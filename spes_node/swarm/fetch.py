@@ -1,6 +1,6 @@
 """Fetching state from the swarm: which peers to ask (`progress.rank_holders`), falling back to the next holder and,
 for a shard nobody holds, to the frozen copies others keep ("copy:<j>"), through relays where a peer takes no
-direct connections. The round (refresh, catch-up, rebalance), joiners and `export --peers` share it.
+direct connections. A large part with several holders comes from several of them at once (`split`). The round (refresh, catch-up, rebalance), joiners and `export --peers` share it.
 
 The fetcher remembers which peers proved themselves (they served us valid state, or averaged with us) and which
 failed us (asked last next time), and never takes a part older than the round it asked for.
@@ -8,8 +8,10 @@ failed us (asked last next time), and never takes a part older than the round it
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Collection, Mapping
+import time
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 from hivemind.p2p import P2P, PeerID
@@ -17,6 +19,7 @@ from hivemind.p2p import P2P, PeerID
 from spes_node.swarm import relay
 from spes_node.swarm.progress import rank_holders
 from spes_node.swarm.records import ACTIVE_STATES, NodeInfo
+from spes_node.swarm.split import join_pieces, piece_count, piece_order, plan_pieces
 from spes_node.swarm.swarm_key import SwarmKey
 from spes_node.swarm.transfer import Download, TransferError, download_part
 
@@ -82,14 +85,64 @@ class StateFetcher:
         return self.holders(nodes, None, excluded), f"copy:{shard}"
 
     async def fetch(
-        self, peers: list[str], part: str, expected: Shapes, min_round: int = 0, exact: bool = False
+        self,
+        peers: list[str],
+        part: str,
+        expected: Shapes,
+        min_round: int = 0,
+        exact: bool = False,
+        split: bool = True,
     ) -> tuple[str, Download]:
-        """(peer, download) of `part` from the first of `peers` that serves it at round `min_round` or later
-        (exactly `min_round`, with `exact`); TransferError when none does."""
+        """(peer, download) of `part` of round `min_round` or later (exactly `min_round`, with `exact`) from `peers`,
+        best first, each failing one replaced by the next; TransferError when they cannot serve all of it.
+
+        A large part with several holders is split (`split.piece_count`): its pieces come from as many holders at
+        once, a piece whose holder fails from the next holder, every piece of the round asked for; the download is
+        of its oldest piece's round. Such a download holds no one holder's state: `peer` is the one that sent the
+        most bytes and `download.peers` names them all. With `split=False` one holder serves the whole part: for a
+        copy that will follow that holder's updates ("update:<j>" fits only the chain of who served the copy)."""
+        count = piece_count(expected, len(peers)) if split else 1
+        failing: set[str] = set()  # peers that failed a piece: the other pieces do not ask them again
+        if count == 1:
+            download = await self._first_of(peers, part, expected, min_round, exact, None, failing)
+            return download.peers[0], download
+        start = time.perf_counter()
+        tasks = [
+            asyncio.create_task(
+                self._first_of(piece_order(peers, i, count), part, expected, min_round, exact, names, failing)
+            )
+            for i, names in enumerate(plan_pieces(expected, count))
+        ]
+        try:
+            pieces = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+        download = join_pieces(pieces, time.perf_counter() - start)
+        logger.info(
+            f"{part}: {len(pieces)} pieces from {len(download.peers)} holders, {download.nbytes} bytes"
+        )
+        return download.peers[0], download
+
+    async def _first_of(
+        self,
+        peers: Sequence[str],
+        part: str,
+        expected: Shapes,
+        min_round: int,
+        exact: bool,
+        names: list[str] | None,
+        failing: set[str],
+    ) -> Download:
+        """`part` (only `names`, unless None) from the first of `peers` that serves it of the round asked for,
+        skipping the peers in `failing` and adding those that fail."""
+        what = part if names is None else f"{len(names)} tensors of {part}"
         last_error = None
         for peer in peers:
+            if peer in failing:
+                continue
             try:
-                download = await self._download(peer, part, expected, min_round)
+                download = await self._download(peer, part, expected, min_round, names)
                 if download.round < min_round or (exact and download.round != min_round):
                     raise TransferError(
                         f"{part} from {peer} is of round {download.round}, we asked for {min_round}"
@@ -97,12 +150,13 @@ class StateFetcher:
             except TransferError as e:
                 last_error = e
                 self.failed[peer] = self.failed.get(peer, 0) + 1
-                logger.warning(f"download of {part} failed: {e}")
+                failing.add(peer)
+                logger.warning(f"download of {what} failed: {e}")
                 continue
             self.verified.add(peer)
             self.failed.pop(peer, None)
-            return peer, download
-        raise TransferError(f"no peer could serve {part}: {last_error}")
+            return download
+        raise TransferError(f"no peer could serve {what}: {last_error or 'none left to ask'}")
 
     async def fetch_update(self, peer: str, part: str, expected: Shapes, round_: int) -> Download | None:
         """`part` of exactly round `round_` from `peer` (an update: only the chain of the peer that served our copy
@@ -118,7 +172,9 @@ class StateFetcher:
             return None
         return download
 
-    async def _download(self, peer: str, part: str, expected: Shapes, min_round: int) -> Download:
+    async def _download(
+        self, peer: str, part: str, expected: Shapes, min_round: int, names: list[str] | None = None
+    ) -> Download:
         return await download_part(
             self.p2p,
             PeerID.from_base58(peer),
@@ -130,4 +186,5 @@ class StateFetcher:
             timeout=self.timeout,
             circuits=self.circuits.get(peer, ()),
             swarm_key=self.swarm_key,
+            names=names,
         )

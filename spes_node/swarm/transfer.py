@@ -2,7 +2,8 @@
 
 A node serves snapshots of what it holds authoritative copies of: the shared parameters and its own shards, as
 they were after its last sync. Joiners download everything from live peers; nodes refresh their frozen experts
-from the shards' holders. Tensors travel compressed with hivemind's codecs and are validated on arrival
+from the shards' holders. A request may name a subset of a part's tensors, so that one large part can come from
+several holders at once (`split`). Tensors travel compressed with hivemind's codecs and are validated on arrival
 (names, shapes, finite values) before anyone uses them.
 """
 
@@ -12,7 +13,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,8 @@ class Download:
     tensors: dict[str, torch.Tensor]
     nbytes: int
     seconds: float
+    peers: tuple[str, ...] = ()
+    """The peers it came from: one, or several for a download split across holders (the most bytes first)."""
 
 
 class StateServer:
@@ -102,7 +105,11 @@ class StateServer:
         snapshot = await self._wait_for(request.part, request.min_round, timeout=10.0)
         if snapshot is None:
             return
-        names = sorted(snapshot.tensors)
+        try:
+            names = served_names(request.names, snapshot.tensors)
+        except ValueError as e:
+            logger.warning(f"refusing state request from {context.remote_id}: {e}")
+            return
         metadata = json.dumps({"round": snapshot.round, "names": names}).encode()
         first = True
         for name in names:
@@ -133,6 +140,23 @@ class StateServer:
                     return snapshot if snapshot is not None and snapshot.round >= min_round else None
 
 
+def served_names(requested: Sequence[str], available: Collection[str]) -> list[str]:
+    """The tensors to serve, in order: those `requested` (every one of `available` when none is); ValueError when
+    the request names more tensors than there are, one twice, or one the part does not have."""
+    if not requested:
+        return sorted(available)
+    if len(requested) > len(available):
+        raise ValueError(f"asks for {len(requested)} tensors of {len(available)}")
+    if len(set(requested)) != len(requested):
+        raise ValueError("asks for a tensor twice")
+    unknown = [name for name in requested if name not in available]
+    if unknown:
+        raise ValueError(
+            f"asks for {len(unknown)} tensors the part does not have, such as {unknown[0][:100]!r}"
+        )
+    return sorted(requested)
+
+
 def state_tag_prefix(run_id: str) -> str:
     return f"state.{run_id}"
 
@@ -148,14 +172,21 @@ async def download_part(
     timeout: float = 60.0,
     circuits: Sequence[str] = (),
     swarm_key: SwarmKey | None = None,
+    names: Sequence[str] | None = None,
 ) -> Download:
     """Download one part from one peer and validate it against the expected names and shapes.
 
     `circuits`: relay addresses of a peer that takes no direct connections (`relay.circuits_of` its record).
     `swarm_key`: in a private swarm, proves to the server that we hold the key.
+    `names`: only these tensors of the part (a piece of a split download; not empty), validated against their
+    entries in `expected`.
     """
     start = time.perf_counter()
     request = StateRequest(part=part, config_hash=config_hash, min_round=min_round)
+    if names is not None:
+        assert names, "a piece names at least one tensor"
+        request.names.extend(names)
+        expected = {name: expected[name] for name in names}
     if swarm_key is not None:
         request.tag = swarm_key.join_tag(state_tag_prefix(run_id), p2p.peer_id.to_bytes())
     handler = f"{HANDLER_PREFIX}.{run_id}"
@@ -190,6 +221,7 @@ async def download_part(
         tensors=validate_tensors(metadata.get("names"), tensors, expected, source=f"{part} from {peer}"),
         nbytes=nbytes,
         seconds=time.perf_counter() - start,
+        peers=(peer.to_base58(),),
     )
 
 
