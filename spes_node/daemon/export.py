@@ -195,7 +195,7 @@ def fetch_swarm_weights(
                 raise ValueError(
                     f"could not download {part} from any of its {len(candidates)} live holders (last error: {e})"
                 ) from None
-            weights.update(got.tensors)
+            weights.update({name: t.float() for name, t in got.tensors.items()})
             sources[part] = {"peer_id": peer, "part": request, "round": got.round}
     finally:
         if p2p is not None:

@@ -225,6 +225,9 @@ async def download_part(
     )
 
 
+KEPT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""Downloaded tensors of these types are kept at their precision (`validate_tensors`)."""
+
 DOWNLOAD_ATTEMPTS = 3
 """Streams that end early are retried this many times in all (within the download's timeout)."""
 
@@ -273,7 +276,10 @@ async def _receive(p2p: P2P, peer: PeerID, handler: str, request: StateRequest, 
 def validate_tensors(
     names, tensors: list[torch.Tensor], expected: dict[str, torch.Size], source: str
 ) -> dict[str, torch.Tensor]:
-    """Accept exactly the expected names, each with the expected shape, finite, as fp32."""
+    """Accept exactly the expected names, each with the expected shape and finite values, at the precision it
+    travelled: fp16, bf16 and fp32 stay as they are (a refresh held until the next round applies it costs the
+    wire's bytes, not fp32's: half, on fp16 links), another floating type becomes fp32, anything else is refused.
+    Whoever loads them converts (`ExpertShard.load_dense`, `Tensor.copy_`)."""
     if not isinstance(names, list) or sorted(names) != sorted(expected) or len(names) != len(tensors):
         raise TransferError(f"{source}: unexpected tensor names")
     out = {}
@@ -282,7 +288,10 @@ def validate_tensors(
             raise TransferError(
                 f"{source}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name])}"
             )
-        tensor = tensor.float()
+        if not tensor.dtype.is_floating_point:
+            raise TransferError(f"{source}: {name} is of type {tensor.dtype}, not floating point")
+        if tensor.dtype not in KEPT_DTYPES:
+            tensor = tensor.float()
         if not torch.isfinite(tensor).all():
             raise TransferError(f"{source}: {name} has non-finite values")
         out[name] = tensor
