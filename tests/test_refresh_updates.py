@@ -14,7 +14,7 @@ from swarm_utils import Swarm
 
 from spes_node.config import load_preset
 from spes_node.daemon.checkpoint import META_FILE, MODEL_FILE, CheckpointManager
-from spes_node.daemon.round import LOSSY_UPDATE_CHAIN, HeldCopy, SpesRound, _Refresh, refresh_by_update
+from spes_node.daemon.round import LOSSY_UPDATE_CHAIN, HeldCopy, SpesRound, refresh_by_update
 from spes_node.model.moe import MoEForCausalLM
 from spes_node.model.ownership import apply_ownership, shard_tensors
 from spes_node.swarm.codecs import WIRE_CODECS
@@ -128,8 +128,13 @@ def test_an_update_is_added_to_the_frozen_copy_only_when_it_is_the_updates_base(
         before = {k: v.clone() for k, v in shard_tensors(model, 1).items()}
         delta = {k: torch.full_like(v, 1e-2) for k, v in before.items()}
 
-        def deliver(round_: int, tensors: dict, peer: str = "h") -> int:
-            spes_round._pending[1] = _Refresh("update", peer, Download(round_, tensors, 0, 0.0))
+        def deliver(round_: int, tensors: dict) -> int:
+            # as the background refresh does: the update is added to the copy held now, then applied between steps
+            refresh = spes_round._follow(1, spes_round._held[1], Download(round_, tensors, 0, 0.0))
+            if refresh is None:
+                return 0
+            assert all(t.dtype == torch.float16 for t in refresh.download.tensors.values()), "held at fp16"
+            spes_round._pending[1] = refresh
             return spes_round.apply_pending()
 
         spes_round._held[1] = HeldCopy(3, "h")
@@ -143,12 +148,14 @@ def test_an_update_is_added_to_the_frozen_copy_only_when_it_is_the_updates_base(
 
         moved = {k: v.clone() for k, v in after.items()}
         assert deliver(6, delta) == 0, "an update of round 6 on a copy of round 4"
-        assert 1 not in spes_round._held, "the next refresh takes the whole shard"
-        spes_round._held[1] = HeldCopy(4, "h", 1)
-        assert deliver(5, delta, peer="other") == 0, "another holder's chain"
-        spes_round._held[1] = HeldCopy(4, "h", 1)
         huge = {k: torch.full_like(v, 1e6) for k, v in delta.items()}  # finite, but past fp16 once added
         assert deliver(5, huge) == 0
+        # the copy was replaced (a catch-up took the whole shard) while its update downloaded: not applied
+        pending = spes_round._follow(1, spes_round._held[1], Download(5, delta, 0, 0.0))
+        assert pending is not None and pending.base == HeldCopy(4, "h", 1)
+        spes_round._held[1] = HeldCopy(5, "other")
+        spes_round._pending[1] = pending
+        assert spes_round.apply_pending() == 0
         assert all(torch.equal(shard_tensors(model, 1)[k], moved[k]) for k in moved), "the copy changed"
     finally:
         spes_round.loop.stop()

@@ -26,7 +26,7 @@ measures both on a CPU against it.
 Host (`rounds.py`, `averaging.py`, `transfer.py`, `checkpoint.py`, `node.py`): the averagers' fp32 buffers of
 the shared parameters and the held shards (hivemind's own copy, in shared memory), the averaged result copied out
 after a round's all-reduce, the served snapshots of every part at wire precision (fp16 or fp32), the refresh
-downloads of every other shard (whole shards at wire precision, updates decoded to fp32, held until the next
+downloads of every other shard (at snapshot precision, updates already added to the copy, held until the next
 round applies them), a checkpoint's
 CPU copy of the weights and AdamW state, and at startup the whole model built in fp32 on the CPU before it moves
 to the device (plus a checkpoint being resumed).
@@ -173,8 +173,8 @@ class MemoryPlan:
     """Served copies of the shared parameters and of every shard, at wire precision; with refresh by updates, also
     each own shard's update chain at that precision and its served update (about 1 byte per weight)."""
     host_refresh: int
-    """Refresh downloads of every other shard, held until the next round applies them: whole shards at the wire's
-    precision, updates decoded to fp32."""
+    """Refresh downloads of every other shard at snapshot precision, held until the next round applies them (whole
+    shards as they travelled, updates already added to the copy)."""
     host_checkpoint: int
     """A checkpoint's CPU copy: trainable weights, AdamW moments (and outer state), and the frozen experts as stored
     when `train.checkpoint_frozen_experts` is on."""
@@ -369,9 +369,9 @@ def memory_plan(
     # refresh by updates: each own shard's update chain at snapshot precision and its served int8 update
     chains = (wire + 1) * shards_held * counts["shard"] if s.refresh_by_updates else 0
     host_snapshots = wire * counts["total"] + chains
-    # whole shards are held at the wire's precision (`transfer.validate_tensors`); an update arrives as int8 and is
-    # held decoded, in fp32, until it is added to the copy (steady state with refresh by updates)
-    host_refresh = (4 if s.refresh_by_updates else wire) * frozen_params
+    # held at snapshot precision: whole shards as they travelled (`transfer.validate_tensors`), updates already
+    # added to the copy (`SpesRound._follow`; each shard's decoded fp32 update lives only while it is added)
+    host_refresh = wire * frozen_params
     # frozen experts only when checkpoints hold them (a resume without them refetches them from the swarm)
     host_checkpoint = weights + optimizer + (frozen if t.checkpoint_frozen_experts else 0) + nesterov
     host_running = (
@@ -545,7 +545,7 @@ def plan_table(plan: MemoryPlan) -> str:
         ("CUDA context and workspaces", plan.reserve, None),
         ("averager buffers, residual (fp32)", None, plan.host_averager),
         ("served snapshots (all parts)", None, plan.host_snapshots),
-        ("refresh downloads (fp32 updates)", None, plan.host_refresh),
+        ("refresh downloads (wire precision)", None, plan.host_refresh),
         ("all-reduce or checkpoint copy", None, max(plan.host_allreduce, plan.host_checkpoint)),
         ("runtime (torch, hivemind, p2pd)", None, plan.host_runtime),
     ]

@@ -159,11 +159,14 @@ class _Flight:
 
 @dataclass
 class _Refresh:
-    """A frozen shard's download, applied between steps: `part` ("shard", "premerge" or "update") from `peer`."""
+    """A frozen shard's download, applied between steps: `part` ("shard", "premerge" or "update") from `peer`. For an
+    update, `download` holds the copy with the update already added (`SpesRound._follow`) and `base` the copy it was
+    added to: it is applied only if that copy is still the one held."""
 
     part: str
     peer: str
     download: Download
+    base: HeldCopy | None = None
 
 
 class SpesRound:
@@ -645,13 +648,16 @@ class SpesRound:
         follows = kind == "shard" and swarm.refresh_by_updates
 
         async def one(shard: int) -> _Refresh | None:
-            refresh, held = None, by_update.get(shard)
+            refresh, held, spent = None, by_update.get(shard), 0
             if held is not None:
                 download = await self.fetcher.fetch_update(
                     held.peer, f"update:{shard}", expected[shard], held.round + 1
                 )
                 if download is not None:
-                    refresh = _Refresh("update", held.peer, download)
+                    # added to the copy now, off the training thread: what waits for the next round is the new
+                    # copy at snapshot precision, not the decoded update in fp32 beside it
+                    refresh = await asyncio.to_thread(self._follow, shard, held, download)
+                    spent = 0 if refresh is not None else download.nbytes  # a misfit: the whole shard next
                 elif held.round >= min_round:
                     return None  # the copy is of the round asked for already
             if refresh is None:
@@ -669,7 +675,7 @@ class SpesRound:
                     return None
                 refresh = _Refresh(kind, peer, download)
             with self._pending_lock:
-                self._refresh_bytes += download.nbytes
+                self._refresh_bytes += refresh.download.nbytes + spent
                 self._pending[shard] = refresh
             return refresh
 
@@ -709,12 +715,13 @@ class SpesRound:
             if shard in self.shards:
                 continue
             held = self._held.pop(shard, None)
-            tensors = refresh.download.tensors
-            if refresh.part == "update":
-                tensors = self._follow(shard, held, refresh)
-                if tensors is None:
-                    continue
-            load_shard_tensors(self.model, shard, tensors)
+            if refresh.part == "update" and held != refresh.base:
+                logger.warning(
+                    f"shard {shard}: the copy changed while its update of round {refresh.download.round} "
+                    "downloaded: not applied"
+                )
+                continue
+            load_shard_tensors(self.model, shard, refresh.download.tensors)
             applied += 1
             # a premerge copy is no round's served shard: the next refresh takes the whole shard
             if refresh.part != "premerge":
@@ -722,21 +729,23 @@ class SpesRound:
                 self._held[shard] = HeldCopy(refresh.download.round, refresh.peer, updates)
         return applied
 
-    def _follow(self, shard: int, held: HeldCopy | None, refresh: _Refresh) -> dict[str, torch.Tensor] | None:
-        """The frozen copy of `shard` with the holder's update added (`snapshots.add_update`); None, leaving the
-        copy as it is, when the copy is not the update's base or the sum is not finite."""
-        round_ = refresh.download.round
-        if held is None or (held.round, held.peer) != (round_ - 1, refresh.peer):
+    def _follow(self, shard: int, held: HeldCopy, download: Download) -> _Refresh | None:
+        """An update from `held.peer` added to the frozen copy of `shard` that `held` describes
+        (`snapshots.add_update`, at snapshot precision), ready to load; None when the update is not of the round
+        after the copy or the sum is not finite. Runs beside training: it only reads the copy, which nothing but
+        `apply_pending` (on the training thread, after this) replaces."""
+        round_ = download.round
+        if round_ != held.round + 1:
             logger.warning(f"shard {shard}: the update of round {round_} is not for our copy: not applied")
             return None
         current = shard_tensors(self.model, shard)
         out = {}
-        for name, delta in refresh.download.tensors.items():
-            out[name] = add_update(current[name], delta, self.publisher.dtype).float()
+        for name, delta in download.tensors.items():
+            out[name] = add_update(current[name], delta, self.publisher.dtype)
             if not torch.isfinite(out[name]).all():
-                logger.warning(f"shard {shard}: the update of round {round_} from {refresh.peer} overflows")
+                logger.warning(f"shard {shard}: the update of round {round_} from {held.peer} overflows")
                 return None
-        return out
+        return _Refresh("update", held.peer, replace(download, tensors=out), base=held)
 
     def finish_pending(self) -> int:
         """Wait for the refresh in flight (at most its timeout; a stopping node does not wait) and apply it.
