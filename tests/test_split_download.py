@@ -157,17 +157,26 @@ class _Stalling(StateServer):
             await self.release.wait()
 
 
+class _WholeOnly(StateServer):
+    """A server that knows nothing of subsets (as before they existed): it answers every request with all of it."""
+
+    async def _handle(self, request, context):
+        request.ClearField("names")
+        async for message in super()._handle(request, context):
+            yield message
+
+
 @asynccontextmanager
-async def _swarm(parts: list[tuple[int, dict[str, torch.Tensor]]], server_class=StateServer):
-    """Servers (one per (round, tensors), serving them as "shard:0"; the last one of class `server_class`) and a
-    client connected to all: yields (fetcher, servers, peer ids, server P2Ps)."""
+async def _swarm(parts: list[tuple[int, dict[str, torch.Tensor]]], server_class=StateServer, every=False):
+    """Servers (one per (round, tensors), serving them as "shard:0"; the last one, or `every` one, of class
+    `server_class`) and a client connected to all: yields (fetcher, servers, peer ids, server P2Ps)."""
     p2ps, servers = [], []
     client = None
     try:
         for i, (round_, tensors) in enumerate(parts):
             p2p = await P2P.create(host_maddrs=LOOPBACK)
             p2ps.append(p2p)
-            cls = server_class if i == len(parts) - 1 else StateServer
+            cls = server_class if every or i == len(parts) - 1 else StateServer
             server = cls(p2p, RUN, HASH, NoCompression())
             await server.start()
             await server.publish("shard:0", Snapshot(round_, tensors))
@@ -323,5 +332,24 @@ def test_a_piece_nobody_can_serve_fails_the_download():
             with pytest.raises(TransferError, match="no peer could serve"):
                 await fetcher.fetch(peers, "shard:0", _shapes_of(at6), min_round=5, exact=True)
             assert set(fetcher.failed) == set(peers) and not fetcher.verified
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(180)
+def test_holders_that_serve_only_whole_parts_still_serve_the_part_whole():
+    tensors = _part(8)
+
+    async def scenario():
+        async with _swarm([(5, tensors)] * 2, server_class=_WholeOnly, every=True) as (
+            fetcher,
+            servers,
+            peers,
+            _,
+        ):
+            peer, download = await fetcher.fetch(peers, "shard:0", _shapes_of(tensors), min_round=5)
+            assert _equal(download.tensors, tensors) and download.peers == (peer,)
+            assert all(server.bytes_sent > 0 for server in servers), "both were asked for a piece first"
 
     asyncio.run(scenario())

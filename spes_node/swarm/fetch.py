@@ -100,7 +100,8 @@ class StateFetcher:
         once, a piece whose holder fails from the next holder, every piece of the round asked for; the download is
         of its oldest piece's round. Such a download holds no one holder's state: `peer` is the one that sent the
         most bytes and `download.peers` names them all. With `split=False` one holder serves the whole part: for a
-        copy that will follow that holder's updates ("update:<j>" fits only the chain of who served the copy)."""
+        copy that will follow that holder's updates ("update:<j>" fits only the chain of who served the copy). When the
+        pieces cannot all be had, the whole part is asked for from one holder at a time."""
         count = piece_count(expected, len(peers)) if split else 1
         failing: set[str] = set()  # peers that failed a piece: the other pieces do not ask them again
         if count == 1:
@@ -115,6 +116,13 @@ class StateFetcher:
         ]
         try:
             pieces = await asyncio.gather(*tasks)
+        except TransferError as e:
+            # a holder that serves whole parts only (an older version ignores the names asked for) fails every
+            # piece; so would a piece nobody has at the round asked for. Whole, from one holder at a time, as an
+            # unsplit download would have been asked for
+            logger.warning(f"{part} did not come in pieces ({e}); asking for it whole")
+            download = await self._first_of(peers, part, expected, min_round, exact, None, set())
+            return download.peers[0], download
         finally:
             for task in tasks:
                 task.cancel()
