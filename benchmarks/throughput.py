@@ -11,11 +11,17 @@ steps (see `node_rate`), with syncing divided by without. A node's steps and its
 this is the node's tokens/s divided by what the same loop would do at that load without syncs. With overlap, the
 background all-reduce also slows the steps on a CPU (it competes for the same cores, as it would not with a GPU);
 that slowdown is not in the share-of-time ratio, and the mean step time of each run is reported beside it.
+
+`--rate-mbit R` runs every node in its own network namespace behind a link shaped to R Mbit/s each way
+(`benchmarks/netns.py`, tbf on each node's veth pair, as in the link benchmark), so that the sync's transfers take
+the time they would on a home connection; results go to `results/throughput_<R>mbit.json`. Without it the nodes
+talk over loopback (`results/throughput.json`), where a sync mostly waits on matchmaking.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -33,6 +39,7 @@ SETTINGS = {
     "rounds": 2,
     "variants": ["sync", "no_sync", "overlap"],
     "timeout_s": 1200,
+    "rate_mbit": None,
 }
 
 
@@ -75,12 +82,14 @@ def config(settings: dict, overlap: bool) -> SpesConfig:
 def run(workdir: Path, settings: dict | None = None) -> dict:
     settings = {**SETTINGS, **(settings or {})}
     variants = {}
+    rate = settings["rate_mbit"]
     for name in settings["variants"]:
         cfg = config(settings, overlap=name == "overlap")
-        with LoadMonitor() as load:
-            nodes = BenchSwarm(workdir / name, cfg, settings["num_nodes"], run_id=f"tp_{name}").run(
-                settings["rounds"], timeout=settings["timeout_s"], no_sync=name == "no_sync"
+        with LoadMonitor() as load, _network(settings["num_nodes"], rate) as network:
+            swarm = BenchSwarm(
+                workdir / name, cfg, settings["num_nodes"], run_id=f"tp_{name}", network=network
             )
+            nodes = swarm.run(settings["rounds"], timeout=settings["timeout_s"], no_sync=name == "no_sync")
         rates = [node_rate(n, cfg.swarm.sync_steps) for n in nodes]
         variants[name] = {
             "tokens_per_s_per_node": sum(r["tokens_per_s"] for r in rates) / len(rates),
@@ -137,20 +146,36 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
                 for name, v in variants.items()
             ],
             title=f"throughput ({settings['preset']}, {settings['num_nodes']} nodes, S={settings['num_shards']}, "
-            f"{settings['rounds']} rounds of {config(settings, False).swarm.sync_steps} steps)",
+            f"{settings['rounds']} rounds of {config(settings, False).swarm.sync_steps} steps, "
+            + (f"links shaped to {rate:g} Mbit/s)" if rate else "loopback)"),
         )
     )
     loads = [v["load"] for v in variants.values()]
-    write_result("throughput", settings, results, {"per_variant": loads})
+    write_result(
+        f"throughput_{rate:g}mbit" if rate else "throughput", settings, results, {"per_variant": loads}
+    )
     return results
+
+
+def _network(num_nodes: int, rate_mbit: float | None):
+    """Namespaces behind links shaped to `rate_mbit` for the nodes, or nothing (loopback)."""
+    if rate_mbit is None:
+        return contextlib.nullcontext()
+    from benchmarks.netns import ShapedNetwork
+
+    return ShapedNetwork(num_nodes, rate_mbit)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="runs/benchmarks/throughput")
+    parser.add_argument(
+        "--rate-mbit", type=float, default=None, help="shape each node's link (namespaces, root)"
+    )
+    parser.add_argument("--rounds", type=int, default=SETTINGS["rounds"])
     args = parser.parse_args()
     started = time.time()
-    run(Path(args.workdir))
+    run(Path(args.workdir), {"rate_mbit": args.rate_mbit, "rounds": args.rounds})
     emit(f"throughput benchmark took {time.time() - started:.0f}s")
 
 
