@@ -177,3 +177,25 @@ def loopback_dhts(count: int) -> list[hivemind.DHT]:
         for _ in range(count - 1)
     ]
     return [first, *others]
+
+
+def status_json(swarm) -> dict:
+    """`spes-node status --json` against `swarm`'s bootstrap (any swarm with `maddr` and `run_id`), run in this
+    process; the CLI's logging setup is undone afterwards."""
+    import logging
+
+    from click.testing import CliRunner
+
+    from spes_node.cli import main
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        result = CliRunner().invoke(
+            main, ["status", "--peers", swarm.maddr, "--run-id", swarm.run_id, "--json"]
+        )
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)

@@ -15,17 +15,13 @@ it never dials, such as a client-mode joiner, cannot download the shards it alon
 
 from __future__ import annotations
 
-import json
-import logging
 import subprocess
 import sys
 
 import pytest
-from click.testing import CliRunner
 from netns import Host, HostSwarm, Network, unavailable
-from swarm_utils import wait_for
+from swarm_utils import status_json, wait_for
 
-from spes_node.cli import main
 from spes_node.daemon.placement import replica_counts
 from spes_node.swarm.records import ACTIVE_STATES
 
@@ -65,21 +61,6 @@ def _record(swarm: HostSwarm, name: str):
 def _round(swarm: HostSwarm, name: str) -> int:
     node = _record(swarm, name)
     return node.round if node is not None else -1
-
-
-def _status_json(swarm: HostSwarm) -> dict:
-    """`spes-node status --json`, run against the bootstrap peer on the bridge."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        result = CliRunner().invoke(
-            main, ["status", "--peers", swarm.maddr, "--run-id", swarm.run_id, "--json"]
-        )
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
 
 
 def _start_public_then_nat(
@@ -133,7 +114,7 @@ def test_nat_node_in_client_mode_takes_only_shards_with_a_reachable_holder(swarm
     counts = replica_counts(swarm.nodes(), swarm.cfg.swarm.num_shards)
     assert counts == [2 if s in public_shards else 0 for s in range(len(counts))], counts
 
-    summary = _status_json(swarm)
+    summary = status_json(swarm)
     reach = {n["public_name"]: n["reachable"] for n in summary["nodes"]}
     assert reach == {"public": "direct", "nat": "none"}, reach
     by_shard = {s["shard"]: s for s in summary["shards"]}
@@ -151,7 +132,7 @@ def test_nat_node_in_client_mode_takes_only_shards_with_a_reachable_holder(swarm
         "the public node with room for the uncovered shards to train",
     )
     assert sorted(joined.shards) == uncovered
-    summary = _status_json(swarm)
+    summary = status_json(swarm)
     assert summary["no_holder"] == [] and summary["unreachable_only"] == [], summary["shards"]
     assert all(s["reachable_replicas"] >= 1 for s in summary["shards"]), summary["shards"]
 

@@ -1,14 +1,8 @@
 """Placement in a real swarm: a client-mode joiner takes a shard that has a reachable holder, a node with room for
 several shards takes the neediest ones and trains them all."""
 
-import json
-import logging
-
 import pytest
-from click.testing import CliRunner
-from swarm_utils import Swarm
-
-from spes_node.cli import main
+from swarm_utils import Swarm, status_json
 
 
 @pytest.fixture
@@ -16,20 +10,6 @@ def swarm(tmp_path):
     swarm = Swarm(tmp_path, run_id="placed")
     yield swarm
     swarm.close()
-
-
-def _status_json(swarm: Swarm) -> dict:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        result = CliRunner().invoke(
-            main, ["status", "--peers", swarm.maddr, "--run-id", swarm.run_id, "--json"]
-        )
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
 
 
 def _record(swarm: Swarm, name: str):
@@ -54,7 +34,7 @@ def test_client_joins_a_reachable_holder_and_a_wide_node_takes_the_uncovered_sha
     assert wide.shards == [0, 1, 3]
     swarm.wait_for(lambda: "training shards [0, 1, 3]" in swarm.log("wide"), 120, "the wide node training")
 
-    summary = _status_json(swarm)
+    summary = status_json(swarm)
     assert summary["no_holder"] == []
     assert summary["unreachable_only"] == []
     by_shard = {s["shard"]: s for s in summary["shards"]}
