@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from swarm_utils import FAST, NODE_ENV, Swarm, die_with_parent
+from swarm_utils import FAST, NODE_ENV, Swarm, die_with_parent, wait_for
 
 from spes_node.config import load_preset
 from spes_node.swarm.bootstrap import start_bootstrap
@@ -84,6 +84,41 @@ class Host:
 
     def maddr(self, port: int = 0) -> str:
         return f"/ip4/{self.address}/tcp/{port}"
+
+    def listening_ports(self) -> list[int]:
+        """TCP ports open on the host's own address (p2pd's, for a node)."""
+        out = run(*self.command("ss", "-ltnH")).stdout
+        return sorted(
+            {int(line.split()[3].rsplit(":", 1)[1]) for line in out.splitlines() if self.address in line}
+        )
+
+    def connects(self, address: str, port: int) -> bool:
+        """Whether a TCP connection from this host to `address:port` completes within a few seconds."""
+        done = subprocess.run(self.command(sys.executable, "-c", _CONNECT, address, str(port)), timeout=30)
+        return done.returncode == 0
+
+    def accepted_from(self, other: Host) -> list[int]:
+        """The ports of this host that take a connection from `other`, with a probe listener added on
+        PROBE_PORT so that a host with no listener of its own cannot pass as unreachable."""
+        with subprocess.Popen(self.command(sys.executable, "-c", _LISTEN, self.address)) as listener:
+            try:
+                wait_for(lambda: PROBE_PORT in self.listening_ports(), 30, "the probe listener")
+                return [port for port in self.listening_ports() if other.connects(self.address, port)]
+            finally:
+                listener.kill()
+
+
+PROBE_PORT = 9
+_LISTEN = (
+    "import socket, sys, time\n"
+    f"s = socket.socket(); s.bind((sys.argv[1], {PROBE_PORT})); s.listen()\n"
+    "time.sleep(60)\n"
+)
+_CONNECT = (
+    "import socket, sys\n"
+    "s = socket.socket(); s.settimeout(3)\n"
+    "sys.exit(0 if s.connect_ex((sys.argv[1], int(sys.argv[2]))) == 0 else 1)\n"
+)
 
 
 class Network:

@@ -91,3 +91,56 @@ def test_the_nesterov_outer_state_goes_through_a_checkpoint(tmp_path):
     finally:
         first.loop.stop()
         second.loop.stop()
+
+
+def test_a_round_serves_its_state_before_taking_a_groups_weights():
+    """Two members may each take a part from the other in the same round (one's shared parameters, the other's
+    shard): each asks for the other's state of this round, so each must serve it before downloading anything, or
+    both wait on the other until the request times out and neither takes anything."""
+    import torch
+
+    from spes_node.daemon.round import RoundInputs, _Flight
+    from spes_node.model.moe import MoEForCausalLM
+    from spes_node.model.ownership import apply_ownership
+    from spes_node.swarm import records
+    from spes_node.swarm.transfer import TransferError
+
+    cfg = load_preset("tiny").replace(swarm={"average": "updates", "num_shards": 1})
+    model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+    apply_ownership(model, [0])
+    spes_round = _round(cfg, threading.Event(), model)
+    events = []
+
+    class Publisher:
+        def publish(self, round_, shared, own, frozen, premerge=(), restart=False):
+            events.append(("publish", round_, restart))
+
+    class Fetcher:
+        async def fetch(self, peers, part, expected, min_round, exact=False):
+            events.append(("fetch", part, min_round))
+            raise TransferError("no such state")
+
+        def vouch(self, peers):
+            pass
+
+        def holders(self, nodes, shard, banned):
+            return []
+
+    try:
+        spes_round.reset_outer()
+        spes_round.publisher, spes_round.fetcher = Publisher(), Fetcher()
+        spes_round.shard_avgs = {0: None}  # no replica of shard 0: never averaged
+        spes_round._settle_anchor = lambda key, result, averaged, round_: (
+            ("f" * 16, ["peer"], round_) if key == "shared" else None
+        )
+        me = records.NodeInfo(peer_id="me", shards=[0], round=4, state="training")
+        inputs = RoundInputs(4, 40, 100, 3.0, {"me": me}, me, (0, 1))
+        spes_round._inflight = _Flight(inputs, 0.0, None, {0: None}, None, {0: None})
+        with torch.no_grad():
+            report = spes_round.complete_round()
+        assert report.round == 5
+        fetches = [i for i, e in enumerate(events) if e[0] == "fetch"]
+        assert fetches and events[fetches[0] - 1] == ("publish", 5, False), events
+        assert report.resynced == []  # the download failed: it keeps its own anchor
+    finally:
+        spes_round.loop.stop()

@@ -114,6 +114,7 @@ def update_norm(update: Mapping[str, torch.Tensor] | None) -> float:
     return float(torch.sqrt(sum(t.float().pow(2).sum() for t in update.values())))
 
 
+@torch.no_grad()
 def resync_acceptable(
     downloaded: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor], norm: float
 ) -> str | None:

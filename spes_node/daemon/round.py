@@ -114,6 +114,9 @@ class RoundReport:
     """Set when the round caught up by downloading the swarm's state."""
     resynced: list[str] = field(default_factory=list)
     """Averaging updates: parts whose weights were taken from group members that shared another anchor."""
+    anchors: dict[str, str] = field(default_factory=dict)
+    """Averaging updates: each group's anchor id after the round ("shared", "shard<j>"); nodes whose ids are
+    equal hold the same weights there."""
 
     def add_bytes(self, kind: str, sent: int, received: int) -> None:
         self.bytes_sent[kind] = self.bytes_sent.get(kind, 0) + sent
@@ -139,6 +142,7 @@ class RoundReport:
             "refreshed": self.refreshed,
             "caught_up": self.caught_up,
             "resynced": list(self.resynced),
+            "anchors": dict(self.anchors),
         }
 
 
@@ -491,16 +495,21 @@ class SpesRound:
             target = catch_up_target(report.round, nodes, self.peer_id, self.bans.active())
             if target is not None:
                 self._catch_up(report, nodes, target)
-            else:
+            elif resyncs:
+                # serve this round's state before taking any: a member we take one part from may be taking
+                # another part from us at the same moment, and neither may wait on the other's download
+                self.publish_snapshots(report.round)
                 for key, anchor_id, peers, their_round, norm in resyncs:
                     self._resync(report, key, anchor_id, peers, their_round, norm)
-            report.refreshed, report.merged = self._refresh_and_merge(nodes, report.round)
+            own_taken = any(part.startswith("shard:") for part in report.resynced)
+            report.refreshed, report.merged = self._refresh_and_merge(nodes, report.round, own_taken)
             self._maybe_rebalance(nodes, inputs.me, report.round)
             report.shards = self.shards
             report.data_part = next_data_part(nodes, self.peer_id, inputs.data_part) or inputs.data_part
         report.seconds = time.perf_counter() - flight.started
         report.banned = sorted(self.bans.active())
         report.add_bytes("refresh", 0, self.take_refresh_bytes())
+        report.anchors = {key: anchor_id[:16] for key, anchor_id in self.anchor_ids.items()}
         self.last_report = report.as_dict()
         self._log(report)
         return report
@@ -609,13 +618,14 @@ class SpesRound:
             return {k: v.shape for k, v in shared_parameters(self.model).items()}
         return {k: v.shape for k, v in shard_tensors(self.model, _shard_of(part)).items()}
 
-    def _refresh_and_merge(self, nodes: dict, round_: int) -> tuple[int, bool]:
-        """Refresh frozen experts (in the background) and run the merge warm-up when due; (refreshed, merged)."""
+    def _refresh_and_merge(self, nodes: dict, round_: int, own_taken: bool = False) -> tuple[int, bool]:
+        """Refresh frozen experts (in the background) and run the merge warm-up when due; (refreshed, merged).
+        `own_taken`: an own shard's weights were taken from its group after this round was first published."""
         swarm = self.cfg.swarm
         due_refresh, due_merge = refresh_due(round_, swarm), merge_due_at(round_, swarm)
         # The merge reads every expert as it was before anyone merged: holders serve that state as
         # "premerge:<j>" for this round only, and every node merges from the same copies, so replicas stay identical.
-        self.publish_snapshots(round_, premerge=due_merge)
+        self.publish_snapshots(round_, premerge=due_merge, restart=own_taken)
         if due_refresh or due_merge:
             self.start_refresh(nodes, min_round=round_, kind="premerge" if due_merge else "shard")
         if not due_merge:
