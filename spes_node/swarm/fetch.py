@@ -150,7 +150,7 @@ class StateFetcher:
             if peer in failing:
                 continue
             try:
-                download = await self._download(peer, part, expected, min_round, names)
+                download = await self._download(peer, part, expected, min_round, names, exact)
                 if download.round < min_round or (exact and download.round != min_round):
                     raise TransferError(
                         f"{part} from {peer} is of round {download.round}, we asked for {min_round}"
@@ -171,7 +171,7 @@ class StateFetcher:
         fits it), or None. A peer on another round, or whose chain started again, is not at fault: it is neither
         counted as failed nor warned about (the whole shard, fetched next, counts the peers that fail it)."""
         try:
-            download = await self._download(peer, part, expected, round_)
+            download = await self._download(peer, part, expected, round_, exact=True)
         except TransferError as e:
             logger.info(f"no {part} of round {round_}: {e}")
             return None
@@ -181,7 +181,13 @@ class StateFetcher:
         return download
 
     async def _download(
-        self, peer: str, part: str, expected: Shapes, min_round: int, names: list[str] | None = None
+        self,
+        peer: str,
+        part: str,
+        expected: Shapes,
+        min_round: int,
+        names: list[str] | None = None,
+        exact: bool = False,
     ) -> Download:
         return await download_part(
             self.p2p,
@@ -195,4 +201,5 @@ class StateFetcher:
             circuits=self.circuits.get(peer, ()),
             swarm_key=self.swarm_key,
             names=names,
+            max_round=min_round if exact else None,
         )

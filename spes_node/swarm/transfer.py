@@ -173,6 +173,7 @@ async def download_part(
     circuits: Sequence[str] = (),
     swarm_key: SwarmKey | None = None,
     names: Sequence[str] | None = None,
+    max_round: int | None = None,
 ) -> Download:
     """Download one part from one peer and validate it against the expected names and shapes.
 
@@ -180,6 +181,8 @@ async def download_part(
     `swarm_key`: in a private swarm, proves to the server that we hold the key.
     `names`: only these tensors of the part (a piece of a split download; not empty), validated against their
     entries in `expected`.
+    `max_round`: refuse a snapshot of a later round. The round is checked when the stream's first message
+    arrives (as `min_round` is), so a snapshot of the wrong round costs one chunk, not the whole part.
     """
     start = time.perf_counter()
     request = StateRequest(part=part, config_hash=config_hash, min_round=min_round)
@@ -199,7 +202,7 @@ async def download_part(
             if remaining <= 0:
                 raise asyncio.TimeoutError()
             metadata, tensors, got = await asyncio.wait_for(
-                _receive(p2p, peer, handler, request, expected, circuits), remaining
+                _receive(p2p, peer, handler, request, expected, circuits, (min_round, max_round)), remaining
             )
             nbytes += got
             break
@@ -210,8 +213,8 @@ async def download_part(
             if attempt >= DOWNLOAD_ATTEMPTS:
                 raise TransferError(f"{part} from {peer}: {e} ({attempt} attempts)") from None
             logger.info(f"{part} from {peer}: {e}; retrying")
-        except TransferError:
-            raise
+        except TransferError as e:
+            raise TransferError(f"{part} from {peer}: {e}") from None
         except Exception as e:
             raise TransferError(f"{part} from {peer}: {type(e).__name__}: {e}") from None
     if metadata is None:
@@ -238,8 +241,17 @@ class _Truncated(Exception):
         self.nbytes = nbytes
 
 
-async def _receive(p2p: P2P, peer: PeerID, handler: str, request: StateRequest, expected, circuits):
-    """One attempt: (metadata, tensors, bytes received); raises `_Truncated` if the stream ends too early."""
+async def _receive(
+    p2p: P2P,
+    peer: PeerID,
+    handler: str,
+    request: StateRequest,
+    expected,
+    circuits,
+    rounds: tuple[int, int | None],
+):
+    """One attempt: (metadata, tensors, bytes received); raises `_Truncated` if the stream ends too early, and
+    TransferError as soon as the metadata names a round outside `rounds` (min, max or None)."""
     await relay.dial(p2p, peer, circuits)
     metadata: dict | None = None
     tensors: list[torch.Tensor] = []
@@ -260,6 +272,10 @@ async def _receive(p2p: P2P, peer: PeerID, handler: str, request: StateRequest, 
             if len(message.metadata) > MAX_METADATA_BYTES:
                 raise TransferError("metadata too large")
             metadata = json.loads(message.metadata)
+            served = _validate_round(metadata)
+            if served < rounds[0] or (rounds[1] is not None and served > rounds[1]):
+                wanted = rounds[0] if rounds[0] == rounds[1] else f"{rounds[0]} to {rounds[1]}"
+                raise TransferError(f"the peer serves round {served}, we asked for {wanted}")
         if message.tensor_part.dtype and parts:
             finish_tensor()
         nbytes += len(message.tensor_part.buffer)
