@@ -11,6 +11,8 @@ import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
@@ -240,3 +242,57 @@ def test_full_disk_during_a_periodic_checkpoint_logs_and_trains_on(tmp_path, mon
     node.save_checkpoint()  # the failed step is not remembered as saved: the next try writes it
     assert node.checkpoint_writer.wait(60)
     assert node.checkpoints.latest().step == 2
+
+
+# ------------------------------------------------------------------------------------ shutdown
+
+
+def test_a_slow_final_checkpoint_still_leaves_time_to_withdraw_the_record(monkeypatch, caplog):
+    """The shutdown budget starts after the final checkpoint: a large model's checkpoint can take longer than the
+    whole budget (spes-1b on a CPU: 9 s), and the record must still be withdrawn after it."""
+    import spes_node.daemon.node as node_module
+
+    clock = {"offset": 0.0}
+    real_monotonic = time.monotonic
+    monkeypatch.setattr(node_module.time, "monotonic", lambda: real_monotonic() + clock["offset"])
+    withdrawn = []
+
+    def withdraw(dht, run_id, peer_id, validator):
+        time.sleep(0.2)  # a DHT store takes a moment: a call given no time at all is left behind
+        withdrawn.append(peer_id)
+        return True
+
+    monkeypatch.setattr(node_module.records, "withdraw_node", withdraw)
+
+    class Helper:
+        pid = -1
+
+        def __init__(self):
+            self.alive = True
+
+        def is_alive(self):
+            return self.alive
+
+        def shutdown(self):
+            self.alive = False
+
+    class Sync(Helper):
+        def helper_processes(self):
+            return []
+
+    def slow_checkpoint(wait):
+        clock["offset"] += 2 * node_module.SHUTDOWN_S  # the write takes twice the whole shutdown budget
+
+    node = Node.__new__(Node)
+    node.stop_event = threading.Event()
+    node.dht, node.sync = Helper(), Sync()
+    node.status = SimpleNamespace(state="training")
+    node.opts = SimpleNamespace(run_id="run")
+    node.peer_id, node.validator = "peer", None
+    node.save_checkpoint = slow_checkpoint
+    node.write_summary = lambda: None
+    with caplog.at_level(logging.WARNING, logger="spes_node.daemon.node"):
+        node.shutdown()
+    assert withdrawn == ["peer"]
+    assert not any("could not" in r.getMessage() for r in caplog.records), caplog.text
+    assert not node.dht.alive and not node.sync.alive

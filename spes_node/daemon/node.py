@@ -656,7 +656,6 @@ class Node:
         Only the checkpoint is local; every step that talks to the DHT or p2pd is bounded, so that a node whose
         helpers died first (a signal to the whole cgroup) still exits in time."""
         self.stop_event.set()
-        deadline = time.monotonic() + SHUTDOWN_S
         leaving = self.dht is not None and self.sync is not None
         if leaving:
             self.status.state = "leaving"
@@ -665,6 +664,10 @@ class Node:
             except Exception as e:
                 logger.error(f"final checkpoint failed: {e}")
             self.write_summary()
+        # counted from here: a large model's final checkpoint takes longer than the whole budget (spes-1b on a CPU
+        # took 9 s), and the record must still be withdrawn after it
+        deadline = time.monotonic() + SHUTDOWN_S
+        if leaving:
             if self.dht.is_alive():
                 _bounded(
                     lambda: records.withdraw_node(self.dht, self.opts.run_id, self.peer_id, self.validator),
