@@ -2,12 +2,8 @@
 
 import torch
 
-from spes_node.config import load_preset
 from spes_node.daemon.anchors import apply_outer
-from spes_node.model.moe import MoEForCausalLM
-from spes_node.model.ownership import apply_ownership, load_shard_tensors, shard_tensors
 from spes_node.swarm.averaging import NesterovOuter, PlainAverage
-from spes_node.swarm.snapshots import FrozenShard, SnapshotPublisher
 
 
 def test_plain_average_replaces_weights():
@@ -55,28 +51,6 @@ def test_nesterov_with_lr_one_and_no_momentum_is_the_plain_average():
     local = {"w": torch.tensor([5.0])}
     apply_outer(outer, local, None, {"w": torch.tensor([3.0])})
     assert torch.allclose(local["w"], torch.tensor([3.0]))
-
-
-def test_frozen_snapshots_are_copied_again_only_after_the_weights_change():
-    cfg = load_preset("tiny")
-    model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
-    apply_ownership(model, [0], "bf16")
-    publisher = SnapshotPublisher(server=None, loop=None, dtype=torch.float16)
-
-    def frozen() -> FrozenShard:
-        buffers = [b for s in model.expert_shards(1) for b in s.buffers()]
-        return FrozenShard(buffers, lambda: shard_tensors(model, 1))
-
-    first = publisher.frozen_copy(1, frozen())
-    assert publisher.frozen_copy(1, frozen()) is first, "unchanged weights: no new copy"
-    assert all(t.dtype == torch.float16 and t.device.type == "cpu" for t in first.values())
-    # a refresh stores new buffers, so the next snapshot is a new copy of the new weights
-    load_shard_tensors(model, 1, {k: v + 1.0 for k, v in shard_tensors(model, 1).items()})
-    second = publisher.frozen_copy(1, frozen())
-    assert second is not first
-    for name, tensor in shard_tensors(model, 1).items():
-        torch.testing.assert_close(second[name].float(), tensor, rtol=1e-3, atol=1e-3)
-        assert not torch.equal(second[name], first[name])
 
 
 def test_nesterov_state_survives_a_checkpoint_and_stays_on_the_weights_device():

@@ -368,7 +368,8 @@ def memory_plan(
     host_averager = 4 * trainable + residual
     # refresh by updates: each own shard's update chain at snapshot precision and its served int8 update
     chains = (wire + 1) * shards_held * counts["shard"] if s.refresh_by_updates else 0
-    host_snapshots = wire * counts["total"] + chains
+    # the shared parameters and own shards at wire precision; frozen copies are served from their own buffers
+    host_snapshots = wire * (counts["total"] - frozen_params) + chains
     # held at snapshot precision: whole shards as they travelled (`transfer.validate_tensors`), updates already
     # added to the copy (`SpesRound._follow`; each shard's decoded fp32 update lives only while it is added)
     host_refresh = wire * frozen_params
@@ -544,7 +545,7 @@ def plan_table(plan: MemoryPlan) -> str:
         (f"allocator margin ({ALLOCATOR_MARGIN:.0%})", plan.margin, None),
         ("CUDA context and workspaces", plan.reserve, None),
         ("averager buffers, residual (fp32)", None, plan.host_averager),
-        ("served snapshots (all parts)", None, plan.host_snapshots),
+        ("served snapshots (trained parts)", None, plan.host_snapshots),
         ("refresh downloads (wire precision)", None, plan.host_refresh),
         ("all-reduce or checkpoint copy", None, max(plan.host_allreduce, plan.host_checkpoint)),
         ("runtime (torch, hivemind, p2pd)", None, plan.host_runtime),

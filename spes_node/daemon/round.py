@@ -40,8 +40,13 @@ from spes_node.daemon.anchors import (
 )
 from spes_node.daemon.placement import data_part, plan_rebalance_move
 from spes_node.model.merge import merge_alpha, merge_due, merge_layer
-from spes_node.model.moe import MoEForCausalLM
-from spes_node.model.ownership import load_shard_tensors, shard_tensors, shared_parameters
+from spes_node.model.moe import MoEForCausalLM, read_stored
+from spes_node.model.ownership import (
+    frozen_shard_buffers,
+    load_shard_tensors,
+    shard_tensors,
+    shared_parameters,
+)
 from spes_node.swarm import records
 from spes_node.swarm.averaging import (
     GroupAverager,
@@ -358,10 +363,7 @@ class SpesRound:
         already published (their update chains start again)."""
         model = self.model
         frozen = {
-            shard: FrozenShard(
-                [b for s in model.expert_shards(shard) for b in s.buffers()],
-                lambda shard=shard: shard_tensors(model, shard),
-            )
+            shard: FrozenShard(frozen_shard_buffers(model, shard), read_stored)
             for shard in range(self.cfg.swarm.num_shards)
             if shard not in self.shards
         }

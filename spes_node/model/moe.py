@@ -150,6 +150,13 @@ class ExpertShard(nn.Module):
         else:
             self.register_buffer(name, value)
 
+    def stored(self, name: str) -> list[torch.Tensor]:
+        """A frozen weight's buffers as `read_stored` takes them: the weight, and its per-row scale when int8."""
+        if self.trainable:
+            raise ValueError("a trainable shard's weights change in place: they are served as copies")
+        scale = [getattr(self, f"{name}_scale")] if self.frozen_dtype == "int8" else []
+        return [getattr(self, name), *scale]
+
     def _dequantize(self, name: str) -> torch.Tensor:
         value = getattr(self, name)
         if self.frozen_dtype == "int8":
@@ -176,6 +183,18 @@ class _FrozenLinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         weight, scale = ctx.saved_tensors
         return (grad @ _dense(weight, scale, grad.dtype)).to(ctx.x_dtype), None, None
+
+
+def read_stored(
+    weight: torch.Tensor, scale: torch.Tensor | None = None, *, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """A frozen weight as stored (`ExpertShard.stored`) as a dense CPU tensor of `dtype`, with the values
+    `ExpertShard.dense` gives (int8 dequantized in fp32, then rounded once to `dtype`). It may be the buffer itself
+    when that is already a CPU tensor of `dtype`."""
+    weight = weight.to("cpu")
+    if scale is None:
+        return weight.to(dtype)
+    return (weight.float() * scale.to("cpu")).to(dtype)
 
 
 def _dense(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

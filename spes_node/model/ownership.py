@@ -49,6 +49,18 @@ def shard_tensors(model: MoEForCausalLM, shard: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def frozen_shard_buffers(model: MoEForCausalLM, shard: int) -> dict[str, list[torch.Tensor]]:
+    """For each tensor of a frozen shard (named as in `shard_tensors`), the buffers it is stored in
+    (`ExpertShard.stored`; `moe.read_stored` reads them)."""
+    out = {}
+    for layer_index, layer in enumerate(model.model.layers):
+        expert_shard = layer.mlp.shards[shard]
+        prefix = f"model.layers.{layer_index}.mlp.shards.{shard}"
+        out[f"{prefix}.gate_up"] = expert_shard.stored("gate_up")
+        out[f"{prefix}.down"] = expert_shard.stored("down")
+    return out
+
+
 @torch.no_grad()
 def load_shard_tensors(model: MoEForCausalLM, shard: int, tensors: dict[str, torch.Tensor]) -> None:
     for layer_index, layer in enumerate(model.model.layers):

@@ -2,8 +2,9 @@
 
 Parts: "shared" (shared parameters), "shard:<j>" for each shard the node trains, "copy:<j>" for the frozen copy
 it keeps of every other shard, and "premerge:<j>" for an own shard's weights before a merge warm-up (served for
-that round only: slower replicas fetch it after our merge). Snapshots are CPU copies at wire precision, never
-views of the live weights.
+that round only: slower replicas fetch it after our merge). Snapshots of trained weights are CPU copies at wire
+precision, never views of the live weights; frozen copies are read from their own buffers when asked for, since
+those are never changed in place (`transfer.Deferred`).
 
 With `updates`, a holder also serves "update:<j>" for each own shard: the change of the shard since the round
 before, int8 blockwise (`codecs.BlockwiseInt8`), so that a node whose frozen copy is one round old refreshes it
@@ -14,8 +15,8 @@ follower's error stays within one round's rounding however many rounds it follow
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
+from functools import partial
 
 import torch
 from hivemind.compression import CompressionInfo
@@ -23,21 +24,22 @@ from hivemind.proto import runtime_pb2
 
 from spes_node.aio import LoopThread
 from spes_node.swarm.codecs import WIRE_CODECS
-from spes_node.swarm.transfer import Snapshot, StateServer
+from spes_node.swarm.transfer import Deferred, Snapshot, StateServer
 
 Tensors = Mapping[str, torch.Tensor]
 
 
 class FrozenShard:
-    """A frozen shard as the publisher sees it: its buffers (whose identity tells whether its weights changed)
-    and how to read its weights as fp32 tensors (which may cost a dequantisation)."""
+    """A frozen shard as the publisher sees it: for each of its tensors, the buffers its weights are stored in
+    (never changed in place) and how to read them as a CPU tensor of a given dtype (`read(*buffers, dtype=...)`,
+    which may cost a dequantisation)."""
 
-    def __init__(self, buffers: list[torch.Tensor], read: Callable[[], Tensors]):
+    def __init__(self, buffers: Mapping[str, Sequence[torch.Tensor]], read: Callable[..., torch.Tensor]):
         self.buffers, self.read = buffers, read
 
 
 class SnapshotPublisher:
-    """Publishes a node's snapshots on its state server, copying a frozen shard again only when it changed.
+    """Publishes a node's snapshots on its state server.
 
     With `updates`, each own shard also has an update chain (see the module docstring): the state a follower of
     our updates holds, at `dtype`. It costs one more copy of the own shards at `dtype` (none in a round where the
@@ -46,26 +48,18 @@ class SnapshotPublisher:
 
     def __init__(self, server: StateServer, loop: LoopThread, dtype: torch.dtype, updates: bool = False):
         self.server, self.loop, self.dtype, self.updates = server, loop, dtype, updates
-        self._frozen: dict[int, tuple[list, dict[str, torch.Tensor]]] = {}
-        """Served copies of frozen shards, with weak references to the buffers they were copied from."""
         self._chains: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
         """Own shard -> (round, the state a follower of our updates holds at that round)."""
 
-    def frozen_copy(self, shard: int, frozen: FrozenShard) -> dict[str, torch.Tensor]:
-        """A CPU copy of a frozen shard, made again only when the shard's weights changed.
-
-        Frozen weights are never changed in place: a refresh or merge stores new buffers (`ExpertShard.load_dense`),
-        so the buffers' identity tells whether the last copy is still current. Weak references, so that the cache
-        neither keeps replaced buffers alive nor mistakes a new buffer at a reused address for the old one.
-        """
-        cached = self._frozen.get(shard)
-        if cached is not None:
-            refs, tensors = cached
-            if len(refs) == len(frozen.buffers) and all(r() is b for r, b in zip(refs, frozen.buffers)):
-                return tensors
-        tensors = cpu_copy(frozen.read(), self.dtype)
-        self._frozen[shard] = ([weakref.ref(b) for b in frozen.buffers], tensors)
-        return tensors
+    def frozen_part(self, frozen: FrozenShard) -> dict[str, Deferred]:
+        """A frozen shard served from its own buffers, read one tensor at a time when asked for: no copy of it is
+        kept (at spes-7b, the frozen experts are 9 GiB at bf16). Its buffers are never changed in place, so what
+        is served is this round's state while they live; once a refresh or merge replaces them, the part is
+        withdrawn until the next publish."""
+        return {
+            name: Deferred(buffers, partial(frozen.read, dtype=self.dtype))
+            for name, buffers in frozen.buffers.items()
+        }
 
     def publish(
         self,
@@ -82,7 +76,6 @@ class SnapshotPublisher:
         chains start again from these weights, and followers take the whole shard next."""
         parts = {"shared": cpu_copy(shared, self.dtype)}
         for shard, tensors in own.items():
-            self._frozen.pop(shard, None)
             parts[f"shard:{shard}"] = copied = cpu_copy(tensors, self.dtype)
             self._run(self.server.withdraw(f"copy:{shard}"))
             if shard in premerge:
@@ -92,7 +85,7 @@ class SnapshotPublisher:
             if self.updates:
                 self._advance_chain(shard, round_, copied, restart, parts)
         for shard, frozen_shard in frozen.items():
-            parts[f"copy:{shard}"] = self.frozen_copy(shard, frozen_shard)
+            parts[f"copy:{shard}"] = self.frozen_part(frozen_shard)
             self._chains.pop(shard, None)
             for part in ("shard", "premerge", "update"):
                 self._run(self.server.withdraw(f"{part}:{shard}"))

@@ -13,7 +13,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Collection, Sequence
+import weakref
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,11 +37,35 @@ class TransferError(Exception):
     """A download failed or what arrived was not acceptable."""
 
 
+class Deferred:
+    """A served tensor read when it is asked for, from buffers that are never changed in place (a frozen shard's:
+    new weights come in new buffers). While the buffers live, what it reads is what they held when it was
+    published; once any of them is gone, it is stale and reads None. It holds only weak references, so serving
+    a frozen shard costs no copy of it, and a replaced shard is not kept alive for it."""
+
+    def __init__(self, buffers: Sequence[torch.Tensor], read: Callable[..., torch.Tensor]):
+        self._refs = [weakref.ref(b) for b in buffers]
+        self._read = read
+
+    @property
+    def stale(self) -> bool:
+        return any(ref() is None for ref in self._refs)
+
+    def __call__(self) -> torch.Tensor | None:
+        buffers = [ref() for ref in self._refs]
+        return None if any(b is None for b in buffers) else self._read(*buffers)
+
+
 @dataclass
 class Snapshot:
     round: int
-    tensors: dict[str, torch.Tensor | runtime_pb2.Tensor]
-    """Tensors, serialized with the server's codec when asked for, or already serialized (sent as they are)."""
+    tensors: dict[str, torch.Tensor | runtime_pb2.Tensor | Deferred]
+    """Tensors, serialized with the server's codec when asked for, already serialized (sent as they are), or
+    read when asked for (`Deferred`)."""
+
+    @property
+    def stale(self) -> bool:
+        return any(isinstance(t, Deferred) and t.stale for t in self.tensors.values())
 
 
 @dataclass
@@ -105,6 +130,9 @@ class StateServer:
         snapshot = await self._wait_for(request.part, request.min_round, timeout=10.0)
         if snapshot is None:
             return
+        if snapshot.stale:
+            await self._withdraw_stale(request.part, snapshot)
+            return
         try:
             names = served_names(request.names, snapshot.tensors)
         except ValueError as e:
@@ -114,12 +142,27 @@ class StateServer:
         first = True
         for name in names:
             serialized = snapshot.tensors[name]
+            if isinstance(serialized, Deferred):
+                serialized = await asyncio.get_running_loop().run_in_executor(None, serialized)
+                if serialized is None:  # its buffers were replaced since: the rest would be of another round
+                    await self._withdraw_stale(request.part, snapshot)
+                    return
             if not isinstance(serialized, runtime_pb2.Tensor):
                 serialized = serialize_torch_tensor(serialized, self.compression.compression_type)
             for chunk in split_for_streaming(serialized):
                 self.bytes_sent += len(chunk.buffer)
                 yield averaging_pb2.DownloadData(tensor_part=chunk, metadata=metadata if first else b"")
                 first = False
+
+    async def _withdraw_stale(self, part: str, snapshot: Snapshot) -> None:
+        """A snapshot read from buffers that were replaced since is withdrawn (until the next publish): it is no
+        longer the state of its round."""
+        async with self._updated:
+            if self.snapshots.get(part) is snapshot:
+                del self.snapshots[part]
+                logger.info(
+                    f"{part} of round {snapshot.round} is no longer served: its weights were replaced"
+                )
 
     async def _wait_for(self, part: str, min_round: int, timeout: float) -> Snapshot | None:
         """The snapshot of `part` once it is of round `min_round` or later; None if it is not within `timeout`

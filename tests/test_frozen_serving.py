@@ -1,0 +1,101 @@
+"""Frozen copies are served from their own buffers, read when asked for: no copy of the frozen experts is kept for
+serving, and a copy whose buffers were replaced is withdrawn rather than served as another round's state."""
+
+import asyncio
+import json
+import weakref
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hivemind.compression import NoCompression, deserialize_torch_tensor
+from hivemind.utils.streaming import combine_from_streaming
+
+from spes_node.config import load_preset
+from spes_node.model.moe import MoEForCausalLM, read_stored
+from spes_node.model.ownership import apply_ownership, frozen_shard_buffers, load_shard_tensors, shard_tensors
+from spes_node.proto.state_pb2 import StateRequest
+from spes_node.swarm.snapshots import FrozenShard, SnapshotPublisher
+from spes_node.swarm.transfer import Snapshot, StateServer
+
+
+def _model(frozen_dtype: str) -> MoEForCausalLM:
+    cfg = load_preset("tiny")
+    model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+    apply_ownership(model, [0], frozen_dtype)
+    return model
+
+
+def _frozen_part(model: MoEForCausalLM, shard: int = 1) -> dict:
+    publisher = SnapshotPublisher(server=None, loop=None, dtype=torch.float16)
+    return publisher.frozen_part(FrozenShard(frozen_shard_buffers(model, shard), read_stored))
+
+
+@pytest.mark.parametrize("frozen_dtype", ["fp32", "bf16", "int8"])
+def test_a_frozen_shard_is_served_from_its_buffers_and_goes_stale_when_they_are_replaced(frozen_dtype):
+    model = _model(frozen_dtype)
+    part = _frozen_part(model)
+    dense = {
+        name: t.clone() for name, t in shard_tensors(model, 1).items()
+    }  # fp32 dense() is the buffer itself
+    assert set(part) == set(dense)
+    for name, tensor in dense.items():
+        served = part[name]()
+        assert served.device.type == "cpu" and served.dtype == torch.float16
+        assert torch.equal(served, tensor.to(torch.float16)), "the values a copy at wire precision would hold"
+
+    # a refresh stores new buffers: the old ones are freed (the part holds no reference that keeps them), and the
+    # part reads nothing rather than the new round's weights under the old round's name
+    old = weakref.ref(model.expert_shards(1)[0].gate_up)
+    load_shard_tensors(model, 1, {k: v + 1.0 for k, v in dense.items()})
+    assert old() is None, "serving kept a replaced frozen buffer alive"
+    assert all(deferred.stale and deferred() is None for deferred in part.values())
+
+
+def test_own_shards_are_never_served_from_their_live_weights():
+    model = _model("bf16")
+    with pytest.raises(ValueError, match="in place"):
+        frozen_shard_buffers(model, 0)
+
+
+def _served(server: StateServer, part: str, round_: int) -> tuple[dict | None, dict[str, torch.Tensor]]:
+    """(metadata, tensors) of what the server streams for one request, parsed as a downloader does."""
+
+    async def collect():
+        request = StateRequest(part=part, config_hash="h", min_round=round_)
+        return [m async for m in server._handle(request, SimpleNamespace(remote_id="peer"))]
+
+    messages = asyncio.run(collect())
+    if not messages:
+        return None, {}
+    metadata = json.loads(messages[0].metadata)
+    tensors, chunks = [], []
+    for message in messages:
+        if message.tensor_part.dtype and chunks:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(chunks)))
+            chunks = []
+        chunks.append(message.tensor_part)
+    tensors.append(deserialize_torch_tensor(combine_from_streaming(chunks)))
+    return metadata, dict(zip(metadata["names"], tensors))
+
+
+def test_the_server_streams_a_frozen_part_and_withdraws_it_once_its_buffers_are_replaced():
+    model = _model("bf16")
+    server = StateServer(p2p=None, run_id="r", config_hash="h", compression=NoCompression())
+
+    async def start():
+        server._updated = asyncio.Condition()
+        await server.publish("copy:1", Snapshot(3, _frozen_part(model)))
+
+    asyncio.run(start())
+    metadata, tensors = _served(server, "copy:1", 3)
+    assert metadata["round"] == 3
+    dense = shard_tensors(model, 1)
+    assert set(tensors) == set(dense)
+    assert all(torch.equal(tensors[name], dense[name].to(torch.float16)) for name in dense)
+    sent = server.bytes_sent
+    assert sent >= sum(2 * t.numel() for t in dense.values())
+
+    load_shard_tensors(model, 1, {k: v + 1.0 for k, v in dense.items()})
+    assert _served(server, "copy:1", 3) == (None, {}), "a replaced copy is not served"
+    assert "copy:1" not in server.snapshots and server.bytes_sent == sent
