@@ -96,7 +96,7 @@ from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
-from spes_node.procs import bind_to_parent
+from spes_node.procs import bind_to_parent, release_inherited_tensors
 from spes_node.swarm.swarm_key import SwarmKey
 
 logger = logging.getLogger(__name__)
@@ -619,6 +619,8 @@ class RobustAverager(DecentralizedAverager):
 
     def run(self) -> None:
         bind_to_parent()  # the averager process dies with the node's process, even when that one is SIGKILLed
+        released = release_inherited_tensors(keep=[*self._averaged_tensors, *(self.residual or ())])
+        logger.debug(f"averager {self.prefix}: gave back {released / 2**20:.0f} MiB of inherited tensors")
         # hivemind builds its matchmaking from this module-level name; in this (child) process, ours
         hivemind.averaging.averager.Matchmaking = BanAwareMatchmaking
         super().run()
