@@ -45,6 +45,8 @@ def run_node(preset: str, frozen: bool, workdir: Path, settings: dict) -> dict:
     command = python_cmd(
         "spes_node.cli", "join", "--config", str(config), "--run-id", f"ckpt-{preset}", "--checkpoint-dir",
         str(directory), "--device", "cpu", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--shard", "0",
+        # what a GPU node does (on a CPU, auto writes in place): the pause for the snapshot, the write beside it
+        "--checkpoint-writes", "background",
     )  # fmt: skip
     with open(log_path, "w") as log:
         process = subprocess.Popen(

@@ -225,3 +225,29 @@ def test_link_allreduce_time_on_the_wire_and_utilisation():
     assert summary["ideal_seconds_median"] == pytest.approx(1.6)
     assert summary["cpu_cores_busy_median"] == pytest.approx(3.0 / seconds)
     assert summary["peers_cpu_cores_busy_median"] == pytest.approx(3.0 / seconds)  # one peer, step 0 left out
+
+
+def test_host_memory_counts_a_nodes_child_processes():
+    """The host-memory sampler sums the PSS of a whole process tree: a child's 200 MB show up in its parent's tree
+    and not in the parent's own figure."""
+    from benchmarks.host_memory import tree_pss_kib
+
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; b = bytearray(200 << 20); print('ready', flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        tree, own = tree_pss_kib(os.getpid())
+        child_tree, _ = tree_pss_kib(child.pid)
+        assert child_tree > 190 * 1024, child_tree
+        assert tree - own >= child_tree, (tree, own, child_tree)
+    finally:
+        child.stdin.close()
+        child.wait(30)

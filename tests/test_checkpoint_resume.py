@@ -30,7 +30,7 @@ def test_checkpoints_by_time_mid_round(tmp_path):
     config = tmp_path / "bytime.json"
     config.write_text(cfg.to_json())
     try:
-        swarm.start("a", config=config)
+        swarm.start("a", "--checkpoint-writes", "background", config=config)  # on a CPU, auto writes in place
 
         def three_written():
             steps = [int(m[1]) for m in WRITE_LINE.finditer(swarm.log("a"))]
@@ -84,6 +84,7 @@ def test_resume_without_frozen_experts_downloads_them_from_the_holder(tmp_path, 
         assert saved.meta["frozen_experts"] is False and saved.meta["shards"] == [1]
         assert not frozen_expert_names(saved.tensors, [1]), "frozen experts were saved"
         assert "model.layers.0.mlp.shards.1.gate_up" in saved.tensors
+        assert "written in place" in swarm.log("b"), "a node on the CPU writes its checkpoints in place"
 
         # b resumes in this process, so that its model can be read once it is ready to train
         node = Node(cfg, NodeOptions(

@@ -16,6 +16,7 @@ from spes_node.daemon.checkpoint import CheckpointError, CheckpointManager, take
 from spes_node.daemon.checkpoint_writer import (
     CheckpointWriter,
     checkpoint_due,
+    checkpoint_in_place,
     frozen_expert_names,
     without_frozen_experts,
 )
@@ -142,6 +143,46 @@ def test_one_write_in_flight_others_skipped(tmp_path, caplog):
     assert writer.submit(counted(4), key=4) and writer.wait(10)
     assert taken == [1, 4]
     assert manager.latest().step == 4
+
+
+def test_an_in_place_write_is_done_before_submit_returns_and_copies_nothing(tmp_path, caplog):
+    """A node training on the CPU writes its live tensors on the training thread: no copy of the training state
+    in the same memory, and the tensors cannot change while they are written, since the trainer is the writer."""
+    weights = {"w": torch.arange(8.0)}
+    moments = {"by_name": {"w": {"exp_avg": torch.ones(8)}}}
+    seen = []
+
+    class Watching(CheckpointManager):
+        def write(self, snapshot):
+            seen.append(
+                (snapshot.tensors["w"].data_ptr(), threading.current_thread() is threading.main_thread())
+            )
+            return super().write(snapshot)
+
+    writer = CheckpointWriter(Watching(tmp_path))
+    take = lambda: take_snapshot(5, weights, {"round": 1}, moments, copy=False)  # noqa: E731
+    with caplog.at_level(logging.INFO, logger="spes_node.daemon.checkpoint_writer"):
+        assert writer.submit(take, key=5, in_place=True)
+    assert not writer.busy(), "nothing left in flight"
+    assert seen == [(weights["w"].data_ptr(), True)], "the live tensor, written on the caller's thread"
+    assert "written in place" in caplog.text and "(training waited)" in caplog.text
+    loaded = CheckpointManager(tmp_path).latest()
+    assert loaded.step == 5 and torch.equal(loaded.tensors["w"], weights["w"])
+    record = writer.records[-1]
+    assert record.in_place and record.write_seconds is not None and record.error is None
+
+
+@pytest.mark.parametrize(
+    "writes, device, in_place",
+    [
+        ("auto", "cpu", True),
+        ("auto", "cuda", False),
+        ("background", "cpu", False),
+        ("in-place", "cuda", True),
+    ],
+)
+def test_where_checkpoints_are_written(writes, device, in_place):
+    assert checkpoint_in_place(writes, torch.device(device)) is in_place
 
 
 def test_failed_write_is_logged_and_tried_again(tmp_path, caplog):

@@ -207,9 +207,10 @@ def test_join_with_an_unusable_checkpoint_directory_subprocess(tmp_path):
 # ------------------------------------------------------------------------------------ periodic checkpoints
 
 
-def _node_with_state(directory: Path) -> Node:
-    """A Node with just what `save_checkpoint` reads."""
-    node = Node(None, NodeOptions(checkpoint_dir=directory))
+def _node_with_state(directory: Path, checkpoint_writes: str = "auto") -> Node:
+    """A Node on the CPU with just what `save_checkpoint` reads."""
+    node = Node(None, NodeOptions(checkpoint_dir=directory, checkpoint_writes=checkpoint_writes))
+    node.device = torch.device("cpu")
     node.peer_id, node.config_hash, node.shard, node.data_part = "QmNode", "c" * 64, 0, (0, 1)
     node.model = torch.nn.Linear(2, 2)
     node.batcher = SimpleNamespace(state_dict=lambda: {"position": 0})
@@ -221,15 +222,16 @@ def _node_with_state(directory: Path) -> Node:
     return node
 
 
-def test_full_disk_during_a_periodic_checkpoint_logs_and_trains_on(tmp_path, monkeypatch, caplog):
-    node = _node_with_state(tmp_path)
+@pytest.mark.parametrize("writes", ["background", "in-place"])
+def test_full_disk_during_a_periodic_checkpoint_logs_and_trains_on(tmp_path, monkeypatch, caplog, writes):
+    node = _node_with_state(tmp_path, writes)
     node.save_checkpoint()
     assert node.checkpoint_writer.wait(60)
     node.trainer.step = 2
     writer = spes_node.daemon.checkpoint.save_file
     monkeypatch.setattr(spes_node.daemon.checkpoint, "save_file", _failing_writer)
     with caplog.at_level(logging.ERROR, logger="spes_node.daemon"):
-        node.save_checkpoint()  # must not raise: the background write fails, the training loop goes on
+        node.save_checkpoint()  # must not raise: the write fails, the training loop goes on
         assert node.checkpoint_writer.wait(60)
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1, errors

@@ -78,6 +78,14 @@ logger = logging.getLogger(__name__)
     is_flag=True,
     help="Use the --peers as relays (what a volunteer behind NAT wants, with --client-mode).",
 )
+@option(
+    "--checkpoint-writes",
+    type=click.Choice(["auto", "background", "in-place"]),
+    default="auto",
+    show_default=True,
+    help="background: snapshot to host memory and write on a thread; in-place: training waits for the write "
+    "(no copy of the training state); auto: in place on the CPU.",
+)
 @option("--swarm-key", help="Shared secret of a private swarm (prefer --swarm-key-file: argv is visible).")
 @option("--swarm-key-file", type=click.Path(dir_okay=False), help="File holding the private swarm's key.")
 @user_errors
@@ -104,6 +112,7 @@ def join(
     client_mode,
     relays,
     auto_relay,
+    checkpoint_writes,
     swarm_key,
     swarm_key_file,
 ) -> None:
@@ -169,6 +178,7 @@ def join(
         init_from=Path(init_from) if init_from else None,
         swarm_key=load_swarm_key(swarm_key, swarm_key_file),
         config_hash=config_hash or None,
+        checkpoint_writes=checkpoint_writes,
     )
     node = Node(cfg, opts)
     node.install_signal_handlers()

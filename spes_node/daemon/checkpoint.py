@@ -93,7 +93,7 @@ class Snapshot:
 
 
 def take_snapshot(
-    step: int, tensors: dict[str, torch.Tensor], meta: dict, optimizer: dict | None = None
+    step: int, tensors: dict[str, torch.Tensor], meta: dict, optimizer: dict | None = None, copy: bool = True
 ) -> Snapshot:
     """Copy what a checkpoint holds into new CPU tensors, each at its own dtype (fp32 weights and AdamW moments
     stay fp32, bf16 frozen experts stay bf16); a tensor named twice (tied weights) is copied once.
@@ -102,8 +102,11 @@ def take_snapshot(
     written. What it costs in host memory is the checkpoint's size: at spes-7b, a node holding 1 of 4 shards copies
     7.8 GiB of fp32 trainable weights and 15.5 GiB of fp32 AdamW moments (23.3 GiB), plus 9.0 GiB of bf16 frozen
     experts when those are saved (32.3 GiB; `plan.MemoryPlan.host_checkpoint`), plus the outer optimizer's state
-    with `outer_optimizer = "nesterov"`."""
-    return _snapshot(step, tensors, meta, optimizer, copy=True)
+    with `outer_optimizer = "nesterov"`.
+
+    `copy=False`: the tensors themselves (CPU tensors stay where they are), for a caller that writes the snapshot
+    before it changes them again (a node training on the CPU: `CheckpointWriter.submit(in_place=True)`)."""
+    return _snapshot(step, tensors, meta, optimizer, copy=copy)
 
 
 class CheckpointManager:

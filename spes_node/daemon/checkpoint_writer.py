@@ -4,6 +4,10 @@ The training thread only takes a snapshot (`checkpoint.take_snapshot`: CPU copie
 serialises it, hashes, fsyncs, renames it into place and prunes (`CheckpointManager.write`). At most one write is
 in flight: a checkpoint that comes due meanwhile is skipped, and taken at the first step after the write ends
 (it is still due then). A crash mid-write leaves the previous checkpoint intact, as a synchronous write would.
+
+A node that trains on the CPU writes in place instead: its training state is already in host memory, where the
+snapshot would be a second copy of it (3.7 GiB at spes-1b), and copying it costs the training thread a good part
+of what the write does. The training thread then writes the live tensors itself and waits for the write.
 """
 
 from __future__ import annotations
@@ -46,6 +50,19 @@ def checkpoint_due(
     return round_end
 
 
+CHECKPOINT_WRITES = ("auto", "background", "in-place")
+
+
+def checkpoint_in_place(writes: str, device: torch.device) -> bool:
+    """Whether a node writes its checkpoints in place (see the module docstring): `writes` is one of
+    `CHECKPOINT_WRITES`; "auto" writes in place on the CPU."""
+    if writes not in CHECKPOINT_WRITES:
+        raise ValueError(
+            f"--checkpoint-writes: expected one of {', '.join(CHECKPOINT_WRITES)}, got {writes!r}"
+        )
+    return writes == "in-place" or (writes == "auto" and device.type == "cpu")
+
+
 def frozen_expert_names(names: Collection[str], owned: Collection[int]) -> set[str]:
     """The names among `names` (a model's state dict keys) of expert tensors of shards not in `owned`."""
     owned = {int(s) for s in owned}
@@ -63,6 +80,8 @@ class WriteRecord:
     write_seconds: float | None = None
     """Serialisation, sha256, fsync, rename and pruning on the writer thread; None while in flight."""
     error: str | None = None
+    in_place: bool = False
+    """Written from the live tensors on the training thread, which waited for the write."""
 
 
 class CheckpointWriter:
@@ -95,8 +114,11 @@ class CheckpointWriter:
             step, last_step, time.monotonic() - last_time, every_steps, every_minutes, round_end
         )
 
-    def submit(self, take: Callable[[], Snapshot], key: Hashable | None = None) -> bool:
-        """Take a snapshot with `take` (on the caller's thread) and write it in the background.
+    def submit(
+        self, take: Callable[[], Snapshot], key: Hashable | None = None, in_place: bool = False
+    ) -> bool:
+        """Take a snapshot with `take` (on the caller's thread) and write it in the background; with `in_place`,
+        write it on the caller's thread before returning (`take` then need not copy anything).
 
         Returns False without calling `take` while a write is in flight (logged once per write), or when `key`
         is that of the last checkpoint handed over (the state has not changed since)."""
@@ -110,9 +132,12 @@ class CheckpointWriter:
             return False
         snapshot = take()
         self._last = (snapshot.step, time.monotonic())
-        record = WriteRecord(snapshot.step, snapshot.nbytes, snapshot.seconds)
+        record = WriteRecord(snapshot.step, snapshot.nbytes, snapshot.seconds, in_place=in_place)
         self.records = [*self.records[-63:], record]
         self.key = key
+        if in_place:
+            self._write(snapshot, record, key)
+            return True
         self._thread = threading.Thread(
             target=self._write, args=(snapshot, record, key), name="spes-checkpoint-writer", daemon=True
         )
@@ -149,6 +174,12 @@ class CheckpointWriter:
             return
         finally:
             record.write_seconds = time.perf_counter() - start
+        if record.in_place:
+            logger.info(
+                f"checkpoint step {record.step}: {record.nbytes / 2**20:.1f} MiB, written in place in "
+                f"{record.write_seconds:.2f}s (training waited)"
+            )
+            return
         logger.info(
             f"checkpoint step {record.step}: {record.nbytes / 2**20:.1f} MiB, training paused "
             f"{record.snapshot_seconds * 1e3:.0f} ms for the snapshot, written in {record.write_seconds:.2f}s"

@@ -28,7 +28,12 @@ from spes_node.daemon.checkpoint import (
     set_rng_state,
     take_snapshot,
 )
-from spes_node.daemon.checkpoint_writer import CheckpointWriter, frozen_expert_names, without_frozen_experts
+from spes_node.daemon.checkpoint_writer import (
+    CheckpointWriter,
+    checkpoint_in_place,
+    frozen_expert_names,
+    without_frozen_experts,
+)
 from spes_node.daemon.data import TokenBatcher, validation_batches
 from spes_node.daemon.metrics import NodeMetrics
 from spes_node.daemon.placement import assign_joiners, data_part
@@ -91,6 +96,10 @@ class NodeOptions:
     swarm_key: SwarmKey | None = None
     config_hash: str | None = None
     """The anchor: join only a swarm whose config has this hash (--config-hash)."""
+    checkpoint_writes: str = "auto"
+    """--checkpoint-writes: "background" (snapshot to host memory, written by a thread), "in-place" (the training
+    thread writes the live tensors and waits), or "auto": in place when training on the CPU, whose training state
+    is already in host memory, in the background otherwise (`checkpoint_writer`)."""
 
 
 @dataclass
@@ -843,9 +852,10 @@ class Node:
                 "by_name": self.trainer.optimizer_state_by_name(),
                 "outer": self.sync.outer_state_dict(),
             }
-            return take_snapshot(self.trainer.step, tensors, meta, optimizer)
+            return take_snapshot(self.trainer.step, tensors, meta, optimizer, copy=not in_place)
 
-        writer.submit(take, key=(self.trainer.step, self.status.round))
+        in_place = checkpoint_in_place(self.opts.checkpoint_writes, self.device)
+        writer.submit(take, key=(self.trainer.step, self.status.round), in_place=in_place)
         if wait:
             writer.wait()
 

@@ -439,11 +439,11 @@ def max_shards(cfg: SpesConfig, device_memory: int, *, compute: str = "bf16") ->
 
 def host_need(cfg: SpesConfig, shards_held: int = 1) -> int:
     """Host memory of a node that trains on the CPU: its training state (the plan's allocated peak in fp32, what
-    a GPU would hold) and the host-side buffers of a running node (`host_running`) live in the same memory."""
-    return (
-        memory_plan(cfg, shards_held, compute="fp32", advise=False).allocated
-        + memory_plan(cfg, shards_held, advise=False).host_running
-    )
+    a GPU would hold) and the host-side buffers of a running node (`host_running`) live in the same memory. It
+    writes its checkpoints in place (`checkpoint_writer`), so no checkpoint copy: only the all-reduce's."""
+    running = memory_plan(cfg, shards_held, advise=False)
+    host = running.host_running - max(running.host_allreduce, running.host_checkpoint) + running.host_allreduce
+    return memory_plan(cfg, shards_held, compute="fp32", advise=False).allocated + host
 
 
 def host_shards_fit(cfg: SpesConfig, host_memory: int) -> int:
