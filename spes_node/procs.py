@@ -52,16 +52,20 @@ def release_inherited_tensors(keep: Iterable[torch.Tensor] = (), min_bytes: int 
     kept = {t.untyped_storage().data_ptr() for t in keep}
     released, seen = 0, set()
     for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu" or obj.is_sparse or obj.is_shared():
+        if not isinstance(obj, torch.Tensor):
             continue
-        storage = obj.untyped_storage()
-        pointer, nbytes = storage.data_ptr(), storage.nbytes()
-        if nbytes < min_bytes or pointer in kept or pointer in seen:
-            continue
-        seen.add(pointer)
         try:
+            if obj.device.type != "cpu" or obj.is_sparse or obj.is_shared():
+                continue
+            storage = obj.untyped_storage()
+            pointer, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes < min_bytes or pointer in kept or pointer in seen:
+                continue
+            seen.add(pointer)
             storage.resize_(0)
-        except RuntimeError:  # not resizable (memory that torch does not own, such as a mapped file)
+        except (RuntimeError, NotImplementedError):
+            # no storage of its own (a nested or functional tensor), or not resizable (memory torch does not own,
+            # such as a mapped file): left as it is
             continue
         released += nbytes
     return released
