@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -51,9 +52,10 @@ def release_inherited_tensors(keep: Iterable[torch.Tensor] = (), min_bytes: int 
     helper works on. In this process only: the node's own tensors are untouched. Returns the bytes given back."""
     kept = {t.untyped_storage().data_ptr() for t in keep}
     released, seen = 0, set()
-    for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor):
-            continue
+    with warnings.catch_warnings():  # isinstance on some module attributes warns of deprecations
+        warnings.simplefilter("ignore")
+        objects = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in objects:
         try:
             if obj.device.type != "cpu" or obj.is_sparse or obj.is_shared():
                 continue

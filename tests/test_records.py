@@ -1,7 +1,11 @@
 import logging
 import math
+import os
+import signal
 import stat
 import tempfile
+import threading
+import time
 import uuid
 from functools import partial
 from pathlib import Path
@@ -394,3 +398,25 @@ def test_rsa_key_file_is_a_hivemind_identity(tmp_path):
         assert dht.peer_id == PeerID.from_identity(path.read_bytes())
     finally:
         dht.shutdown()
+
+
+def test_a_stopping_node_does_not_wait_on_a_dht_that_hangs(run_id):
+    """A DHT process that hangs (stopped here with SIGSTOP) must not hold a node that is asked to stop: its reads
+    and stores on the training thread give up once the stop event is set (a store used to wait forever)."""
+    peer = Peer()
+    stop = threading.Event()
+    try:
+        assert publish_node(peer.dht, run_id, _info(peer.peer_id), peer.validator, EXPIRATION_S, stop=stop)
+        os.kill(peer.dht.pid, signal.SIGSTOP)
+        threading.Timer(1.0, stop.set).start()
+        problems: list[str] = []
+        start = time.monotonic()
+        assert fetch_nodes(peer.dht, run_id, problems=problems, stop=stop) == {}
+        assert problems and "the node is stopping" in problems[0]
+        assert not publish_node(
+            peer.dht, run_id, _info(peer.peer_id), peer.validator, EXPIRATION_S, stop=stop
+        )
+        assert time.monotonic() - start < 10.0, "each call gave up once the node was stopping"
+    finally:
+        os.kill(peer.dht.pid, signal.SIGCONT)
+        peer.dht.shutdown()

@@ -755,7 +755,9 @@ class Node:
         """Announce that we average, read the swarm's records (the round's one read) and start the all-reduces."""
         self.status.state = "averaging"
         self.publish_record()
-        nodes = records.fetch_nodes(self.dht, self.opts.run_id, self.cfg.swarm.num_shards)
+        nodes = records.fetch_nodes(
+            self.dht, self.opts.run_id, self.cfg.swarm.num_shards, stop=self.stop_event
+        )
         inputs = RoundInputs(
             round=self.status.round,
             step=self.trainer.step,
@@ -913,6 +915,7 @@ class Node:
             self.node_info(),
             self.validator,
             expiration_s=3 * self.cfg.swarm.heartbeat_s,
+            stop=self.stop_event,
         )
 
     def _heartbeat_loop(self) -> None:

@@ -442,7 +442,9 @@ def host_need(cfg: SpesConfig, shards_held: int = 1) -> int:
     a GPU would hold) and the host-side buffers of a running node (`host_running`) live in the same memory. It
     writes its checkpoints in place (`checkpoint_writer`), so no checkpoint copy: only the all-reduce's."""
     running = memory_plan(cfg, shards_held, advise=False)
-    host = running.host_running - max(running.host_allreduce, running.host_checkpoint) + running.host_allreduce
+    host = (
+        running.host_running - max(running.host_allreduce, running.host_checkpoint) + running.host_allreduce
+    )
     return memory_plan(cfg, shards_held, compute="fp32", advise=False).allocated + host
 
 

@@ -29,6 +29,8 @@ import json
 import logging
 import math
 import re
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -357,13 +359,32 @@ def _warn_bad_record(
     logger.warning(message)
 
 
-def _get_entries(dht: DHT, key: str, problems: list[str] | None = None) -> dict:
+def _result(future, timeout: float, stop: threading.Event | None):
+    """The DHT call's result within `timeout` seconds, or TimeoutError; sooner once `stop` is set: a stopping node
+    does not wait on a DHT process that hangs (a stopped or overloaded one would hold its exit)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or (stop is not None and stop.is_set()):
+            future.cancel()
+            raise TimeoutError(
+                "the node is stopping" if remaining > 0 else f"no answer within {timeout:.0f}s"
+            )
+        try:
+            return future.result(timeout=min(remaining, 0.2) if stop is not None else remaining)
+        except TimeoutError:
+            continue
+
+
+def _get_entries(
+    dht: DHT, key: str, problems: list[str] | None = None, stop: threading.Event | None = None
+) -> dict:
     """Subkey -> ValueWithExpiration of ``key``, empty if absent or unreadable (a failed read is logged as a
     warning and added to ``problems``)."""
     future = dht.get(key, latest=True, return_future=True)
     message = None
     try:
-        found = future.result(timeout=GET_TIMEOUT_S)
+        found = _result(future, GET_TIMEOUT_S, stop)
     except Exception as e:
         future.cancel()
         found, message = None, f"Could not read {key} from the DHT: {e!r}"
@@ -377,9 +398,15 @@ def _get_entries(dht: DHT, key: str, problems: list[str] | None = None) -> dict:
 
 
 def publish_node(
-    dht: DHT, run_id: str, info: NodeInfo, validator: RSASignatureValidator, expiration_s: float
+    dht: DHT,
+    run_id: str,
+    info: NodeInfo,
+    validator: RSASignatureValidator,
+    expiration_s: float,
+    stop: threading.Event | None = None,
 ) -> bool:
-    """Store this node's heartbeat (stamped with the current DHT time); True if the DHT accepted it."""
+    """Store this node's heartbeat (stamped with the current DHT time); True if the DHT accepted it, False if it
+    did not answer within `GET_TIMEOUT_S` (or before `stop` was set)."""
     now = get_dht_time()
     record = _node_to_record(info, updated_at=now)
     _check_node_record(record, num_shards=None)
@@ -387,7 +414,14 @@ def publish_node(
     if len(value) > MAX_VALUE_BYTES:
         raise ValueError(f"node record has {len(value)} bytes, more than {MAX_VALUE_BYTES}")
     subkey = info.peer_id.encode() + validator.local_public_key
-    return bool(dht.store(node_key(run_id), value, expiration_time=now + expiration_s, subkey=subkey))
+    future = dht.store(
+        node_key(run_id), value, expiration_time=now + expiration_s, subkey=subkey, return_future=True
+    )
+    try:
+        return bool(_result(future, GET_TIMEOUT_S, stop))
+    except TimeoutError as e:
+        logger.warning(f"could not store the node record: {e}")
+        return False
 
 
 def withdraw_node(dht: DHT, run_id: str, peer_id: str, validator: RSASignatureValidator) -> bool:
@@ -407,17 +441,21 @@ def withdraw_node(dht: DHT, run_id: str, peer_id: str, validator: RSASignatureVa
 
 
 def fetch_nodes(
-    dht: DHT, run_id: str, num_shards: int | None = None, problems: list[str] | None = None
+    dht: DHT,
+    run_id: str,
+    num_shards: int | None = None,
+    problems: list[str] | None = None,
+    stop: threading.Event | None = None,
 ) -> dict[str, NodeInfo]:
     """Live, valid node records of the swarm by peer id (leaving nodes and bad records left out).
 
     With ``num_shards``, records naming a shard outside the swarm are bad records. If several
     records claim one peer id, the most recent heartbeat wins. ``problems`` collects a line for
-    every bad record and failed read.
+    every bad record and failed read; ``stop``: give up on the read once it is set.
     """
     nodes: dict[str, NodeInfo] = {}
     now = get_dht_time()
-    for subkey, entry in _get_entries(dht, node_key(run_id), problems).items():
+    for subkey, entry in _get_entries(dht, node_key(run_id), problems, stop).items():
         try:
             prefix = _owner_prefix(subkey)
             record = _parse(NodeRecord, entry.value)
