@@ -319,7 +319,9 @@ def test_crashed_node_restarts_with_its_identity_and_shard(host_swarm):
     # checkpoints are written after every round (and every checkpoint_every steps)
     assert saved.step >= before.step - swarm.cfg.swarm.sync_steps
 
-    swarm.start("b-again", "--max-rounds", "2", node_dir="b")
+    # three rounds: a round that began while b was down, or whose refresh waited on b's old address, can pass
+    # without b on a loaded machine; they meet in one of the next
+    swarm.start("b-again", "--max-rounds", "3", node_dir="b")
     assert swarm.wait_exit("b-again", 240) == 0, swarm.log("b-again")[-3000:]
     log = swarm.log("b-again")
     assert f"resumed from {saved.path.name}: round {saved.meta['round']}, step {saved.step}" in log, log[
@@ -327,7 +329,7 @@ def test_crashed_node_restarts_with_its_identity_and_shard(host_swarm):
     ]
     summary = swarm.summary("b")
     assert summary["peer_id"] == before.peer_id and summary["shard"] == before.shards[0]
-    assert summary["rounds_done"] == 2 and summary["step"] >= saved.step + 2 * swarm.cfg.swarm.sync_steps
+    assert summary["rounds_done"] == 3 and summary["step"] >= saved.step + 3 * swarm.cfg.swarm.sync_steps
     rejoined = [r for r in summary["rounds"] if r["shared_group"] == 2]
     assert rejoined, ("it averages with a again", summary["rounds"])
 
