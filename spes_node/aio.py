@@ -16,6 +16,7 @@ T = TypeVar("T")
 class LoopThread:
     def __init__(self, name: str = "spes-net"):
         self.loop = uvloop.new_event_loop()
+        self.loop.set_exception_handler(_quiet_cancellations)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -46,3 +47,12 @@ class LoopThread:
             pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
+
+
+def _quiet_cancellations(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """Python 3.11's stream server reports a connection handler task that was cancelled (as `stop` cancels every
+    task, with a peer's request in flight) as an error with a traceback: a cancellation is not an error. Anything
+    else goes to the default handler."""
+    if isinstance(context.get("exception"), asyncio.CancelledError):
+        return
+    loop.default_exception_handler(context)
