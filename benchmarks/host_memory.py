@@ -113,9 +113,9 @@ def _name(pid: int) -> str:
     return f"{Path(words[0]).name if words else comm} ({comm})"
 
 
-def tree_pss_kib(root: int) -> tuple[int, int]:
-    """(PSS of the process tree under `root`, PSS of `root` alone), in KiB."""
-    tree = tree_pss(root)
+def tree_pss_kib(root: int, tree: dict[int, tuple[str, int]] | None = None) -> tuple[int, int]:
+    """(PSS of the process tree under `root`, PSS of `root` alone), in KiB; from `tree` (`tree_pss`) if read."""
+    tree = tree_pss(root) if tree is None else tree
     return sum(pss for _, pss in tree.values()), tree.get(root, ("", 0))[1]
 
 
@@ -173,8 +173,7 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
         for i, proc in enumerate(list(swarm.procs)):
             if proc.poll() is None:
                 processes = tree_pss(proc.pid)
-                tree = sum(pss for _, pss in processes.values())
-                own = processes.get(proc.pid, ("", 0))[1]
+                tree, own = tree_pss_kib(proc.pid, processes)
                 timelines[i].append([round(time.time() - start, 1), tree >> 10, own >> 10])
                 if tree > peaks[i]["tree_kib"]:
                     by_process = sorted(
