@@ -295,10 +295,12 @@ def test_frozen_experts_backward_matches_dense_weights(frozen_dtype, monkeypatch
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     def saved_bytes() -> int:
-        """Bytes of the distinct storages autograd saves for backward in one forward pass."""
-        storages = {}
+        """Bytes of the distinct storages autograd saves for backward in one forward pass. Each saved tensor is kept
+        alive until the pass ends, so a storage freed mid-pass cannot hand its address to another one."""
+        storages, kept = {}, []
 
         def pack(t):
+            kept.append(t)
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 
@@ -319,7 +321,11 @@ def test_frozen_experts_backward_matches_dense_weights(frozen_dtype, monkeypatch
     monkeypatch.setattr(ExpertShard, "linear", dense_linear)
     reference, reference_saved = grads(), saved_bytes()
     if frozen_dtype == "fp32":
-        assert ours_saved == reference_saved
+        # the same storages up to a few small index tensors, far less than a dense copy of even one frozen matrix
+        one_matrix = min(
+            t[0].nbytes for m in model.modules() if isinstance(m, ExpertShard) for t in m.dense()
+        )
+        assert abs(ours_saved - reference_saved) < one_matrix // 4, (ours_saved, reference_saved, one_matrix)
     else:
         assert ours_saved < reference_saved, (ours_saved, reference_saved)
     assert ours.keys() == reference.keys() and any(".mlp.gate." in n for n in ours)
