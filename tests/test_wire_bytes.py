@@ -25,6 +25,9 @@ def dhts():
 
 def counted_bytes(dhts, compression: str, average: str) -> list[tuple[int, int]]:
     """(sent, received) of each member in one all-reduce of `NUMEL` values."""
+    # one of them was once found gone here in a loaded suite run (a FileNotFoundError from the next averager's
+    # start, with its p2pd's socket): say so plainly if it happens again
+    assert all(dht.is_alive() for dht in dhts), [dht.is_alive() for dht in dhts]
     zeros = {"w": torch.zeros(NUMEL)}
     group = [
         GroupAverager(

@@ -676,9 +676,10 @@ class Node:
         # counted from here: a large model's final checkpoint takes longer than the whole budget (spes-1b on a CPU
         # took 9 s), and the record must still be withdrawn after it
         deadline = time.monotonic() + SHUTDOWN_S
+        dht_answers = self.dht is not None and self.dht.is_alive()
         if leaving:
-            if self.dht.is_alive():
-                _bounded(
+            if dht_answers:
+                dht_answers = _bounded(
                     lambda: records.withdraw_node(self.dht, self.opts.run_id, self.peer_id, self.validator),
                     deadline - time.monotonic() - NETWORK_SHUTDOWN_S,
                     "withdraw the node record",
@@ -688,7 +689,9 @@ class Node:
         if self.sync is not None:
             _bounded(self.sync.shutdown, max(1.0, deadline - time.monotonic() - 2.0), "stop averaging")
         if self.dht is not None:
-            _bounded(self.dht.shutdown, max(1.0, deadline - time.monotonic()), "stop the DHT")
+            # a DHT that did not answer the withdrawal in its time hangs: it will not stop when asked either
+            seconds = max(1.0, deadline - time.monotonic()) if dht_answers else 1.0
+            _bounded(self.dht.shutdown, seconds, "stop the DHT")
         # a helper that did not stop when asked (hung, or stopped) would hold the exit: multiprocessing joins it
         helpers = [self.dht, *(self.sync.helper_processes() if self.sync is not None else [])]
         for helper in helpers:
@@ -941,8 +944,9 @@ def _shards_text(shards: tuple[int, ...]) -> str:
     return f"shard {shards[0]}" if len(shards) == 1 else f"shards {list(shards)}"
 
 
-def _bounded(fn, seconds: float, what: str) -> None:
-    """Run `fn` in a daemon thread for at most `seconds`; a call that hangs (a dead DHT) is left behind."""
+def _bounded(fn, seconds: float, what: str) -> bool:
+    """Run `fn` in a daemon thread for at most `seconds`; a call that hangs (a dead DHT) is left behind. True if it
+    returned in time (with or without an error)."""
     errors: list[BaseException] = []
 
     def target() -> None:
@@ -956,5 +960,7 @@ def _bounded(fn, seconds: float, what: str) -> None:
     thread.join(max(0.0, seconds))
     if thread.is_alive():
         logger.warning(f"could not {what} within {seconds:.0f}s; going on")
-    elif errors:
+        return False
+    if errors:
         logger.warning(f"could not {what}: {errors[0]}")
+    return True
