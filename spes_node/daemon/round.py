@@ -215,8 +215,6 @@ class SpesRound:
         self._pending: dict[int, _Refresh] = {}
         self._pending_lock = threading.Lock()
         self._refresh: concurrent.futures.Future | None = None
-        self._refresh_deadline = 0.0
-        """`time.monotonic()` past which the refresh in flight is cancelled (`finish_pending`)."""
         self._refresh_bytes = 0
         """Bytes downloaded by background refreshes since the last call of `take_refresh_bytes`."""
         self._held: dict[int, HeldCopy] = {}
@@ -384,7 +382,7 @@ class SpesRound:
     def begin_round(self, inputs: RoundInputs, overlap: bool) -> None:
         """Start the all-reduces on a copy of the weights. With `overlap`, training goes on meanwhile and
         `complete_round` later applies the average together with the local progress made since."""
-        self._settle_refresh()
+        self.finish_pending()
         gather = (inputs.round, inputs.step, inputs.tokens_since_sync)
         weight = float(max(inputs.tokens_since_sync, 1))
         shared_local = shared_parameters(self.model)
@@ -650,15 +648,6 @@ class SpesRound:
         back to the whole shard when that fails (or to nothing, when the copy is already of `min_round`);
         `apply_pending` loads them."""
         swarm = self.cfg.swarm
-        if self._refresh is not None and not self._refresh.done():
-            if kind == "shard" and time.monotonic() < self._refresh_deadline:
-                # still downloading (a large shard on a slow link): it goes on, and the next round's refresh
-                # takes what this one would have; cancelling it every round would starve it
-                logger.info(
-                    f"refresh of round {min_round} not started: the one before it is still downloading"
-                )
-                return
-            self.finish_pending()  # a merge needs this round's copies: the one before is finished or cancelled
         wanted = [s for s in range(swarm.num_shards) if s not in self.shards]
         holders = {shard: self.fetcher.holders(nodes, shard, self.bans.active()) for shard in wanted}
         expected = {shard: self._expected(f"shard:{shard}") for shard in wanted}
@@ -720,7 +709,7 @@ class SpesRound:
                 )
             return len(done)
 
-        self._submit_refresh(refresh())
+        self._refresh = self.loop.submit(refresh())
 
     def take_refresh_bytes(self) -> int:
         """Bytes the background refreshes downloaded since the last call."""
@@ -770,33 +759,12 @@ class SpesRound:
                 return None
         return _Refresh("update", held.peer, replace(download, tensors=out), base=held)
 
-    def _submit_refresh(self, refresh) -> None:
-        """Run the refresh coroutine in the background; its timeout (averaging timeout per shard) counts from now."""
-        self._refresh = self.loop.submit(refresh)
-        self._refresh_deadline = (
-            time.monotonic() + self.cfg.swarm.averaging_timeout * self.cfg.swarm.num_shards
-        )
-
-    def _settle_refresh(self) -> None:
-        """Before a round's matchmaking: apply what the refresh in flight delivered, cancel it if it outlived its
-        timeout, and never wait for it.
-
-        Waiting here kept a node out of the round's matchmaking while it downloaded from a holder one round behind:
-        that holder's server waits (up to 10 s) for the asked round's state, which the holder publishes only after
-        its own round, whose group we were to join. Two nodes a round apart fell into turns that way, each looking
-        for a group while the other waited on its download, and did not meet again (seen after a restart)."""
-        if self._refresh is not None and (self._refresh.done() or time.monotonic() >= self._refresh_deadline):
-            self.finish_pending()
-        else:
-            self.apply_pending()
-
     def finish_pending(self) -> int:
-        """Wait for the refresh in flight (until its timeout, counted from its start; a stopping node does not
-        wait) and apply it.
+        """Wait for the refresh in flight (at most its timeout; a stopping node does not wait) and apply it.
 
         A refresh that outlives its timeout is cancelled: what it has not delivered by then is never applied."""
         if self._refresh is not None:
-            deadline = self._refresh_deadline
+            deadline = time.monotonic() + self.cfg.swarm.averaging_timeout * self.cfg.swarm.num_shards
             while not self._refresh.done() and time.monotonic() < deadline:
                 if self.stop_event.is_set():
                     break
