@@ -42,11 +42,16 @@ def free_port() -> int:
 
 
 def wait_for(
-    condition: Callable[[], T], timeout: float, what: str, check: Callable[[], None] | None = None
+    condition: Callable[[], T],
+    timeout: float,
+    what: str,
+    check: Callable[[], None] | None = None,
+    seen: Callable[[], str] | None = None,
 ) -> T:
     """Poll `condition` until it returns something truthy (returned); fail after `timeout` seconds.
 
-    `check` runs between polls and may fail the test early (e.g. when a process died).
+    `check` runs between polls and may fail the test early (e.g. when a process died); `seen`, if given, says in
+    the failure what the last polls saw.
     """
     deadline = time.monotonic() + timeout
     while True:
@@ -56,7 +61,9 @@ def wait_for(
         if check is not None:
             check()
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+            pytest.fail(
+                f"timed out after {timeout:.0f}s waiting for {what}" + (f"; saw {seen()}" if seen else "")
+            )
         time.sleep(0.5)
 
 
@@ -136,8 +143,10 @@ class Swarm:
             if code not in (None, 0) and name not in self.expected_deaths:
                 pytest.fail(f"{name} exited with {code}:\n{self.log(name)[-3000:]}")
 
-    def wait_for(self, condition: Callable[[], T], timeout: float, what: str) -> T:
-        return wait_for(condition, timeout, what, check=self.check_alive)
+    def wait_for(
+        self, condition: Callable[[], T], timeout: float, what: str, seen: Callable[[], str] | None = None
+    ) -> T:
+        return wait_for(condition, timeout, what, check=self.check_alive, seen=seen)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         self.expected_deaths.add(name)

@@ -145,12 +145,12 @@ def test_oversized_values_are_refused_at_store_and_hide_no_node(swarm):
             listed.append((sorted(n["public_name"] for n in summary["nodes"]), summary["warnings"]))
             return summary if listed[-1][0] == ["a", "b"] else None
 
-        try:
-            summary = swarm.wait_for(status_lists_both, 120, "status --json to list a and b")
-        except pytest.fail.Exception:
-            pytest.fail(
-                f"status --json never listed a and b; its last reads (names, warnings): {listed[-4:]}"
-            )
+        summary = swarm.wait_for(
+            status_lists_both,
+            120,
+            "status --json to list a and b",
+            seen=lambda: f"its last reads (names, warnings): {listed[-4:]}",
+        )
         assert summary["config_hash"] == swarm.cfg.hash()
         assert not [w for w in summary["warnings"] if "Could not read" in w or "no live node" in w], summary
 

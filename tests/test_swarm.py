@@ -67,13 +67,9 @@ def test_four_nodes_two_replicas_agree_after_rounds(swarm_factory, tmp_path):
         # (its group sizes). Each was seen about once in tens of loaded runs; such a run proves nothing about
         # agreement, so it is run once more. Nothing else leads to a second run, and every check below applies to
         # the run that is kept.
+        final = {name: s["rounds"][-1] for name, s in summaries.items()}
         dirty = {
-            name: (
-                s["rounds"][-1].get("failed_parts", 0),
-                s["rounds"][-1]["shared_group"],
-                s["rounds"][-1]["shard_group"],
-            )
-            for name, s in summaries.items()
+            name: (r.get("failed_parts", 0), r["shared_group"], r["shard_group"]) for name, r in final.items()
         }
         if all(d == (0, 4, 2) for d in dirty.values()) or attempt == 1:
             break
