@@ -160,10 +160,17 @@ def test_client_without_inbound_connectivity_trains_and_averages(network, net_sw
     swarm.start(
         "client", "--shard", "0", "--wait-peers", "3", "--client-mode", "--max-rounds", "2", host=client
     )
-    swarm.wait_for(lambda: "client" in _by_name(swarm), 180, "the client's record")
+    # the client's record can come before a loaded server's: it needs only the bootstrap peer
+    swarm.wait_for(
+        lambda: {"s0", "s1", "client"} <= set(_by_name(swarm)),
+        180,
+        "the three records",
+        seen=lambda: str(sorted(_by_name(swarm))),
+    )
+    s0_ports = swarm.wait_for(servers["s0"].listening_ports, 60, "s0's listener")
 
     # the client reaches the others; nobody reaches the client, whatever listens there
-    assert client.connects(servers["s0"].address, servers["s0"].listening_ports()[0])
+    assert client.connects(servers["s0"].address, s0_ports[0])
     accepted = client.accepted_from(servers["s1"])
     assert not accepted, f"the client accepted on ports {accepted}"
 
