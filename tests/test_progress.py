@@ -91,6 +91,26 @@ def test_wait_for_a_peer_that_is_about_to_finish_its_round():
         )
 
 
+def test_wait_for_a_peer_still_averaging_the_round_we_finished():
+    # the peer missed our group of round 3 and is still averaging it: it is due after a whole round of steps
+    # (10 steps of 100 tokens at 200 tokens/s), however old its record is
+    behind = Rec(round=2, step=30, state="averaging", tokens_per_s=200.0, updated_at=90.0)
+    wait = wait_for_peers({"b": behind}, round_=3, sync_steps=10, tokens_per_step=100, now=100.0, cap=30.0)
+    assert abs(wait - 5.0) < 1e-9
+    assert (
+        wait_for_peers({"b": behind}, round_=3, sync_steps=10, tokens_per_step=100, now=100.0, cap=2.0) == 2.0
+    )
+    # two rounds behind, or training a round behind: not expected within the round (it will catch up instead)
+    for other in (
+        Rec(round=1, step=20, state="averaging", tokens_per_s=200.0, updated_at=100.0),
+        Rec(round=2, step=25, tokens_per_s=200.0, updated_at=100.0),
+    ):
+        assert (
+            wait_for_peers({"p": other}, round_=3, sync_steps=10, tokens_per_step=100, now=100.0, cap=30.0)
+            == 0
+        )
+
+
 def test_a_peer_without_a_throughput_figure_is_assumed_as_fast_as_we_are():
     # a node that just joined reports 0 tokens/s; it is 4 steps from the sync, and we train 200 tokens/s
     joiner = Rec(round=3, step=36, tokens_per_s=0.0, updated_at=100.0)

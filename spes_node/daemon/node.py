@@ -755,8 +755,12 @@ class Node:
         self.status.add_bytes("refresh", 0, self.sync.take_refresh_bytes())
 
     def _begin_round(self, overlap: bool) -> None:
-        """Announce that we average, read the swarm's records (the round's one read) and start the all-reduces."""
+        """Announce that we average, read the swarm's records (the round's one read) and start the all-reduces.
+
+        The refresh in flight lands first: it may wait for a holder to finish the round it asked for, and the records
+        are read after it, so that they show where that holder is now (see `progress.wait_for_peers`)."""
         self.status.state = "averaging"
+        self.sync.finish_pending()
         self.publish_record()
         nodes = records.fetch_nodes(
             self.dht, self.opts.run_id, self.cfg.swarm.num_shards, stop=self.stop_event

@@ -112,13 +112,23 @@ def wait_for_peers(
     one that fell behind by a few seconds (a pause, a slow step) is met at this round, and both start the next
     one together, instead of the two missing each other round after round. A peer that reports no throughput yet
     (it has just joined) is assumed to train at `default_tokens_per_s` (ours).
+
+    A peer still averaging the round we have just finished (it missed our group) is expected after a whole round of
+    steps, counted from now: how long its averaging takes is not in its record. Waiting for it is what brings two
+    nodes a round apart back into step; without it, each would average alone while the other trains, round after
+    round.
     """
     longest = 0.0
     for node in others.values():
         speed = node.tokens_per_s if node.tokens_per_s > 0 else default_tokens_per_s
-        if node.round != round_ or node.state != "training" or not speed > 0:
+        if not speed > 0:
             continue
-        steps_left = min(max((round_ + 1) * sync_steps - node.step, 0), sync_steps)
-        eta = steps_left * tokens_per_step / speed - max(0.0, now - node.updated_at)
+        if node.round == round_ and node.state == "training":
+            steps_left = min(max((round_ + 1) * sync_steps - node.step, 0), sync_steps)
+            eta = steps_left * tokens_per_step / speed - max(0.0, now - node.updated_at)
+        elif node.round == round_ - 1 and node.state == "averaging":
+            eta = sync_steps * tokens_per_step / speed
+        else:
+            continue
         longest = max(longest, eta)
     return min(max(longest, 0.0), max(cap, 0.0))
