@@ -12,13 +12,14 @@ import torch
 from safetensors.torch import load_file
 from swarm_utils import Swarm
 
+from spes_node.aio import LoopThread
 from spes_node.config import load_preset
 from spes_node.daemon.checkpoint import META_FILE, MODEL_FILE, CheckpointManager
-from spes_node.daemon.round import LOSSY_UPDATE_CHAIN, HeldCopy, SpesRound, refresh_by_update
+from spes_node.daemon.frozen import LOSSY_UPDATE_CHAIN, FrozenCopies, HeldCopy, refresh_by_update
 from spes_node.model.moe import MoEForCausalLM
 from spes_node.model.ownership import apply_ownership, shard_tensors
 from spes_node.swarm.codecs import WIRE_CODECS
-from spes_node.swarm.snapshots import SnapshotPublisher, add_update, encode_update
+from spes_node.swarm.snapshots import add_update, encode_update
 from spes_node.swarm.transfer import Download
 
 # ---------------------------------------------------------------------------------------------- the chain
@@ -119,46 +120,44 @@ def test_an_update_is_added_to_the_frozen_copy_only_when_it_is_the_updates_base(
     torch.manual_seed(0)
     model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
     apply_ownership(model, [0], frozen_dtype)
-    spes_round = SpesRound(
-        cfg, run_id="t", config_hash="0" * 64, peer_id="me", dht=None, model=model, shards=[0],
-        stop_event=threading.Event(),
-    )  # fmt: skip
-    spes_round.publisher = SnapshotPublisher(server=None, loop=spes_round.loop, dtype=torch.float16)
+    loop = LoopThread()
+    frozen = FrozenCopies(cfg, model, loop, threading.Event())
+    frozen.dtype = torch.float16  # snapshots served at fp16
     try:
         before = {k: v.clone() for k, v in shard_tensors(model, 1).items()}
         delta = {k: torch.full_like(v, 1e-2) for k, v in before.items()}
 
         def deliver(round_: int, tensors: dict) -> int:
             # as the background refresh does: the update is added to the copy held now, then applied between steps
-            refresh = spes_round._follow(1, spes_round._held[1], Download(round_, tensors, 0, 0.0))
+            refresh = frozen.follow(1, frozen.held[1], Download(round_, tensors, 0, 0.0))
             if refresh is None:
                 return 0
             assert all(t.dtype == torch.float16 for t in refresh.download.tensors.values()), "held at fp16"
-            spes_round._pending[1] = refresh
-            return spes_round.apply_pending()
+            frozen._pending[1] = refresh
+            return frozen.apply(own=[0])
 
-        spes_round._held[1] = HeldCopy(3, "h")
+        frozen.held[1] = HeldCopy(3, "h")
         assert deliver(4, delta) == 1
         after = shard_tensors(model, 1)
         step = {"fp32": 2.0**-10, "bf16": 2.0**-7, "int8": 0.1}[frozen_dtype]  # storage's rounding, relative
         for name, tensor in after.items():
             expected = before[name] + 1e-2
             assert torch.allclose(tensor, expected, atol=step * float(expected.abs().max())), name
-        assert spes_round._held[1] == HeldCopy(4, "h", 1)
+        assert frozen.held[1] == HeldCopy(4, "h", 1)
 
         moved = {k: v.clone() for k, v in after.items()}
         assert deliver(6, delta) == 0, "an update of round 6 on a copy of round 4"
         huge = {k: torch.full_like(v, 1e6) for k, v in delta.items()}  # finite, but past fp16 once added
         assert deliver(5, huge) == 0
         # the copy was replaced (a catch-up took the whole shard) while its update downloaded: not applied
-        pending = spes_round._follow(1, spes_round._held[1], Download(5, delta, 0, 0.0))
+        pending = frozen.follow(1, frozen.held[1], Download(5, delta, 0, 0.0))
         assert pending is not None and pending.base == HeldCopy(4, "h", 1)
-        spes_round._held[1] = HeldCopy(5, "other")
-        spes_round._pending[1] = pending
-        assert spes_round.apply_pending() == 0
+        frozen.held[1] = HeldCopy(5, "other")
+        frozen._pending[1] = pending
+        assert frozen.apply(own=[0]) == 0
         assert all(torch.equal(shard_tensors(model, 1)[k], moved[k]) for k in moved), "the copy changed"
     finally:
-        spes_round.loop.stop()
+        loop.stop()
 
 
 # ---------------------------------------------------------------------------------------------- swarm

@@ -5,6 +5,7 @@ import threading
 import pytest
 
 from spes_node.config import load_preset
+from spes_node.daemon.frozen import refresh_due
 from spes_node.daemon.round import (
     RoundReport,
     catch_up_target,
@@ -12,7 +13,6 @@ from spes_node.daemon.round import (
     merge_due_at,
     next_data_part,
     rebalance_move,
-    refresh_due,
     wait_cap,
 )
 from spes_node.swarm.records import NodeInfo

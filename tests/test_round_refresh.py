@@ -5,7 +5,9 @@ import asyncio
 import threading
 import time
 
+from spes_node.aio import LoopThread
 from spes_node.config import load_preset
+from spes_node.daemon.frozen import FrozenCopies
 from spes_node.daemon.round import SpesRound
 
 
@@ -25,41 +27,43 @@ def _round(cfg, stop_event: threading.Event, model=None) -> SpesRound:
 
 def test_a_refresh_past_its_timeout_is_cancelled_and_never_applied():
     cfg = load_preset("tiny").replace(swarm={"averaging_timeout": 1.0, "num_shards": 2})
-    spes_round = _round(cfg, threading.Event())
+    loop = LoopThread()
+    frozen = FrozenCopies(cfg, None, loop, threading.Event())
     delivered = threading.Event()
 
     async def slow_refresh():
         await asyncio.sleep(3.0)  # past the 2 s timeout
-        spes_round._pending[1] = {"late": None}
+        frozen._pending[1] = {"late": None}
         delivered.set()
 
     try:
-        spes_round._refresh = spes_round.loop.submit(slow_refresh())
-        future = spes_round._refresh
+        frozen._refresh = loop.submit(slow_refresh())
+        future = frozen._refresh
         started = time.monotonic()
-        assert spes_round.finish_pending() == 0
+        assert frozen.finish(own=[0]) == 0
         waited = time.monotonic() - started
         assert waited < 10, waited  # its timeout is averaging_timeout x num_shards = 2 s
         assert future.cancelled() or future.done()
-        assert spes_round._refresh is None
+        assert frozen._refresh is None
         assert not delivered.wait(4.0), "the late refresh went on and delivered"
-        assert not spes_round._pending
+        assert not frozen._pending
     finally:
-        spes_round.loop.stop()
+        loop.stop()
 
 
 def test_a_stopping_node_does_not_wait_for_its_refresh():
     cfg = load_preset("tiny").replace(swarm={"averaging_timeout": 60.0})
     stop_event = threading.Event()
-    spes_round = _round(cfg, stop_event)
+    loop = LoopThread()
+    frozen = FrozenCopies(cfg, None, loop, stop_event)
     try:
-        spes_round._refresh = spes_round.loop.submit(asyncio.sleep(300))
+        frozen._refresh = loop.submit(asyncio.sleep(300))
         stop_event.set()
         started = time.monotonic()
-        spes_round.finish_pending()
+        frozen.finish(own=[0])
         assert time.monotonic() - started < 10  # not the 240 s its timeout allows
     finally:
-        spes_round.loop.stop()
+        loop.stop()
 
 
 def test_the_nesterov_outer_state_goes_through_a_checkpoint(tmp_path):

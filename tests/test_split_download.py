@@ -13,8 +13,9 @@ import torch
 from hivemind.compression import NoCompression
 from hivemind.p2p import P2P, PeerID
 
+from spes_node.aio import LoopThread
 from spes_node.config import load_preset
-from spes_node.daemon.round import SpesRound
+from spes_node.daemon.frozen import FrozenCopies
 from spes_node.model.moe import MoEForCausalLM
 from spes_node.model.ownership import apply_ownership
 from spes_node.swarm import split
@@ -93,7 +94,7 @@ def test_a_server_serves_only_valid_subsets():
 
 
 class _RecordingFetcher:
-    """Stands in for `StateFetcher` in the round: every holder serves every shard; records `split`."""
+    """Stands in for `StateFetcher` in the frozen copies' refresh: every holder serves every shard; records `split`."""
 
     def __init__(self):
         self.calls = []
@@ -115,19 +116,17 @@ def test_a_refresh_splits_only_a_copy_that_follows_no_updates(by_updates):
     cfg = load_preset("tiny").replace(swarm={"num_shards": 2, "refresh_by_updates": by_updates})
     model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
     apply_ownership(model, [0], cfg.swarm.frozen_dtype)
-    spes_round = SpesRound(
-        cfg, run_id="t", config_hash=HASH, peer_id="me", dht=None, model=model, shards=[0],
-        stop_event=threading.Event(),
-    )  # fmt: skip
+    loop = LoopThread()
+    frozen = FrozenCopies(cfg, model, loop, threading.Event())
     try:
-        spes_round.fetcher = fetcher = _RecordingFetcher()
-        spes_round.start_refresh({}, min_round=3, kind="shard")
-        assert spes_round.finish_pending() == 1
-        spes_round.start_refresh({}, min_round=4, kind="premerge")
-        assert spes_round.finish_pending() == 1
+        frozen.fetcher = fetcher = _RecordingFetcher()
+        frozen.start({}, 3, own=[0], excluded=(), kind="shard")
+        assert frozen.finish(own=[0]) == 1
+        frozen.start({}, 4, own=[0], excluded=(), kind="premerge")
+        assert frozen.finish(own=[0]) == 1
         assert fetcher.calls == [("shard:1", not by_updates), ("premerge:1", True)]
     finally:
-        spes_round.loop.stop()
+        loop.stop()
 
 
 # ---------------------------------------------------------------------------------------------- real peers

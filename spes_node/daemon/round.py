@@ -2,8 +2,8 @@
 
 1. shared parameters averaged over every node that reaches the round within the matchmaking window;
 2. each shard the node trains averaged among its replicas only (all all-reduces run at the same time);
-3. frozen experts refreshed from their holders every `refresh_every` rounds, in the background: by the holder's
-   update of the round when the node's copy is one round old (`refresh_by_update`), by the whole shard otherwise;
+3. frozen experts refreshed from their holders every `refresh_every` rounds, in the background (`frozen`): by the
+   holder's update of the round when the node's copy is one round old, by the whole shard otherwise;
 4. the expert-merging warm-up on the node's own experts, when due.
 No step waits for a particular peer: a group of one is a no-op, a failed all-reduce keeps the local weights.
 A node's round moves by one per round; it jumps ahead only by catching up to a round most other nodes report
@@ -16,12 +16,10 @@ takes are the pure functions at the end of this module.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 import hivemind
@@ -38,6 +36,7 @@ from spes_node.daemon.anchors import (
     settle_anchor,
     update_norm,
 )
+from spes_node.daemon.frozen import FrozenCopies, HeldCopy, refresh_due
 from spes_node.daemon.placement import data_part, plan_rebalance_move
 from spes_node.model.merge import merge_alpha, merge_due, merge_layer
 from spes_node.model.moe import MoEForCausalLM, read_stored
@@ -59,9 +58,9 @@ from spes_node.swarm.averaging import (
 from spes_node.swarm.fetch import StateFetcher
 from spes_node.swarm.progress import should_catch_up, wait_for_peers
 from spes_node.swarm.robust import BanList
-from spes_node.swarm.snapshots import FrozenShard, SnapshotPublisher, add_update, cpu_copy
+from spes_node.swarm.snapshots import FrozenShard, SnapshotPublisher, cpu_copy
 from spes_node.swarm.swarm_key import SwarmKey
-from spes_node.swarm.transfer import Download, StateServer, TransferError
+from spes_node.swarm.transfer import StateServer, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -166,18 +165,6 @@ class _Flight:
         return [self.shared, *self.shards.values()]
 
 
-@dataclass
-class _Refresh:
-    """A frozen shard's download, applied between steps: `part` ("shard", "premerge" or "update") from `peer`. For an
-    update, `download` holds the copy with the update already added (`SpesRound._follow`) and `base` the copy it was
-    added to: it is applied only if that copy is still the one held."""
-
-    part: str
-    peer: str
-    download: Download
-    base: HeldCopy | None = None
-
-
 class SpesRound:
     def __init__(
         self,
@@ -212,13 +199,8 @@ class SpesRound:
         self.server: StateServer | None = None
         self.last_report: dict = {}
         self._inflight: _Flight | None = None
-        self._pending: dict[int, _Refresh] = {}
-        self._pending_lock = threading.Lock()
-        self._refresh: concurrent.futures.Future | None = None
-        self._refresh_bytes = 0
-        """Bytes downloaded by background refreshes since the last call of `take_refresh_bytes`."""
-        self._held: dict[int, HeldCopy] = {}
-        """Frozen shard -> what its copy holds, when that is a holder's served state (see `refresh_by_update`)."""
+        self.frozen = FrozenCopies(cfg, model, self.loop, stop_event)
+        """The copies of the shards this node does not train, and their refreshes."""
         self._round_started = time.perf_counter()
         self._round_seconds: float | None = None
         """How long our last round took (local steps and sync)."""
@@ -258,6 +240,7 @@ class SpesRound:
             swarm_key=self.swarm_key,
             me=self.peer_id,
         )
+        self.frozen.fetcher, self.frozen.dtype = self.fetcher, dtype
         self.shared_avg = self._averager("shared", cpu_copy(shared_parameters(self.model)))
         for shard in self.shards:
             self.shard_avgs[shard] = self._averager(
@@ -643,142 +626,21 @@ class SpesRound:
         return refreshed, True
 
     def start_refresh(self, nodes: dict, min_round: int, kind: str = "shard") -> None:
-        """Download every frozen shard of round `min_round` or later (exactly, for "premerge") in the background,
-        each from its own holders: by the update that follows the copy when `refresh_by_update` says so, falling
-        back to the whole shard when that fails (or to nothing, when the copy is already of `min_round`);
-        `apply_pending` loads them."""
-        swarm = self.cfg.swarm
-        wanted = [s for s in range(swarm.num_shards) if s not in self.shards]
-        holders = {shard: self.fetcher.holders(nodes, shard, self.bans.active()) for shard in wanted}
-        expected = {shard: self._expected(f"shard:{shard}") for shard in wanted}
-        by_update = {
-            shard: self._held[shard]
-            for shard in wanted
-            if kind == "shard" and refresh_by_update(self._held.get(shard), min_round, holders[shard], swarm)
-        }
-        # a copy that will follow its holder's updates comes whole from that holder, never split across several
-        follows = kind == "shard" and swarm.refresh_by_updates
+        """Refresh every frozen shard of round `min_round` or later in the background (`FrozenCopies.start`)."""
+        self.frozen.start(nodes, min_round, self.shards, self.bans.active(), kind=kind)
 
-        async def one(shard: int) -> _Refresh | None:
-            refresh, held, spent = None, by_update.get(shard), 0
-            if held is not None:
-                download = await self.fetcher.fetch_update(
-                    held.peer, f"update:{shard}", expected[shard], held.round + 1
-                )
-                if download is not None:
-                    # added to the copy now, off the training thread: what waits for the next round is the new
-                    # copy at snapshot precision, not the decoded update in fp32 beside it
-                    refresh = await asyncio.to_thread(self._follow, shard, held, download)
-                    spent = 0 if refresh is not None else download.nbytes  # a misfit: the whole shard next
-                elif held.round >= min_round:
-                    return None  # the copy is of the round asked for already
-            if refresh is None:
-                try:
-                    peer, download = await self.fetcher.fetch(
-                        holders[shard],
-                        f"{kind}:{shard}",
-                        expected[shard],
-                        min_round,
-                        exact=kind == "premerge",
-                        split=not follows,
-                    )
-                except TransferError as e:
-                    logger.warning(f"refresh of shard {shard} skipped: {e}")
-                    return None
-                refresh = _Refresh(kind, peer, download)
-            with self._pending_lock:
-                self._refresh_bytes += refresh.download.nbytes + spent
-                self._pending[shard] = refresh
-            return refresh
-
-        async def refresh():
-            # every shard at once, each from its own holders: the downloads share the links of several peers
-            # instead of taking turns (what is held at the end is the same: every refreshed shard until applied)
-            done = await asyncio.gather(*(one(shard) for shard in wanted if holders[shard]))
-            done = [r for r in done if r is not None]
-            by_part = {}
-            for r in done:
-                count, nbytes = by_part.get(r.part, (0, 0))
-                by_part[r.part] = (count + 1, nbytes + r.download.nbytes)
-            if by_part:
-                logger.info(
-                    f"refresh of round {min_round}: "
-                    + ", ".join(
-                        f"{count} {part} ({nbytes} bytes)" for part, (count, nbytes) in by_part.items()
-                    )
-                )
-            return len(done)
-
-        self._refresh = self.loop.submit(refresh())
+    def apply_pending(self) -> int:
+        """Load what the refresh delivered so far (between steps); returns how many frozen shards changed."""
+        return self.frozen.apply(self.shards)
 
     def take_refresh_bytes(self) -> int:
         """Bytes the background refreshes downloaded since the last call."""
-        with self._pending_lock:
-            nbytes, self._refresh_bytes = self._refresh_bytes, 0
-        return nbytes
-
-    def apply_pending(self) -> int:
-        """Load downloaded frozen experts into the model (between steps, on the training thread): a whole shard as
-        it is, an update added to the copy; returns how many shards changed."""
-        with self._pending_lock:
-            pending, self._pending = self._pending, {}
-        applied = 0
-        for shard, refresh in pending.items():
-            if shard in self.shards:
-                continue
-            held = self._held.pop(shard, None)
-            if refresh.part == "update" and held != refresh.base:
-                logger.warning(
-                    f"shard {shard}: the copy changed while its update of round {refresh.download.round} "
-                    "downloaded: not applied"
-                )
-                continue
-            load_shard_tensors(self.model, shard, refresh.download.tensors)
-            applied += 1
-            # a premerge copy is no round's served shard: the next refresh takes the whole shard
-            if refresh.part != "premerge":
-                updates = held.updates + 1 if refresh.part == "update" else 0
-                self._held[shard] = HeldCopy(refresh.download.round, refresh.peer, updates)
-        return applied
-
-    def _follow(self, shard: int, held: HeldCopy, download: Download) -> _Refresh | None:
-        """An update from `held.peer` added to the frozen copy of `shard` that `held` describes
-        (`snapshots.add_update`, at snapshot precision), ready to load; None when the update is not of the round
-        after the copy or the sum is not finite. Runs beside training: it only reads the copy, which nothing but
-        `apply_pending` (on the training thread, after this) replaces."""
-        round_ = download.round
-        if round_ != held.round + 1:
-            logger.warning(f"shard {shard}: the update of round {round_} is not for our copy: not applied")
-            return None
-        current = shard_tensors(self.model, shard)
-        out = {}
-        for name, delta in download.tensors.items():
-            out[name] = add_update(current[name], delta, self.publisher.dtype)
-            if not torch.isfinite(out[name]).all():
-                logger.warning(f"shard {shard}: the update of round {round_} from {held.peer} overflows")
-                return None
-        return _Refresh("update", held.peer, replace(download, tensors=out), base=held)
+        return self.frozen.take_bytes()
 
     def finish_pending(self) -> int:
-        """Wait for the refresh in flight (at most its timeout; a stopping node does not wait) and apply it.
-
-        A refresh that outlives its timeout is cancelled: what it has not delivered by then is never applied."""
-        if self._refresh is not None:
-            deadline = time.monotonic() + self.cfg.swarm.averaging_timeout * self.cfg.swarm.num_shards
-            while not self._refresh.done() and time.monotonic() < deadline:
-                if self.stop_event.is_set():
-                    break
-                try:
-                    self._refresh.result(timeout=0.2)
-                except concurrent.futures.TimeoutError:
-                    continue
-                except Exception as e:
-                    logger.warning(f"refresh failed: {e}")
-            if not self._refresh.done():
-                self._refresh.cancel()
-                logger.warning("refresh did not finish in time: cancelled")
-            self._refresh = None
-        return self.apply_pending()
+        """Wait for the refresh in flight (at most its timeout) and load what it delivered; returns how many frozen
+        shards changed (`FrozenCopies.finish`)."""
+        return self.frozen.finish(self.shards)
 
     # ------------------------------------------------------------------ joining and moving
 
@@ -820,9 +682,9 @@ class SpesRound:
                 logger.warning(f"shard {shard} keeps its local weights: {e}")
                 continue
             load_shard_tensors(self.model, shard, download.tensors)
-            self._held.pop(shard, None)
+            self.frozen.held.pop(shard, None)
             if frozen:
-                self._held[shard] = HeldCopy(download.round, peer)
+                self.frozen.held[shard] = HeldCopy(download.round, peer)
             total += download.nbytes
         self.reset_outer()
         self.publish_snapshots(round_, restart=True)
@@ -853,7 +715,7 @@ class SpesRound:
             self.set_ownership(list(shards))
         if download is not None:
             load_shard_tensors(self.model, new, download.tensors)
-        self._held.pop(new, None)
+        self.frozen.held.pop(new, None)
         self.shards = shards
         self.shard_avgs.pop(old).shutdown()
         self.shard_avgs[new] = self._averager(f"shard{new}", cpu_copy(shard_tensors(self.model, new)))
@@ -870,8 +732,7 @@ class SpesRound:
         return [a.averager for a in (self.shared_avg, *self.shard_avgs.values()) if a is not None]
 
     def shutdown(self) -> None:
-        if self._refresh is not None:
-            self._refresh.cancel()
+        self.frozen.cancel()
         for averager in (self.shared_avg, *self.shard_avgs.values()):
             if averager is not None:
                 averager.shutdown()
@@ -918,41 +779,6 @@ def wait_cap(last_round_seconds: float | None, matchmaking_time: float) -> float
     The published method waits for everyone (a barrier); we wait for whoever is expected within a round, and a
     node slower than that meets the others at a later round. Before a first round: the matchmaking window."""
     return last_round_seconds if last_round_seconds else matchmaking_time
-
-
-def refresh_due(round_: int, swarm: SwarmConfig) -> bool:
-    """Frozen experts are refreshed after every `refresh_every`-th round."""
-    return round_ % swarm.refresh_every == 0
-
-
-@dataclass(frozen=True)
-class HeldCopy:
-    """A frozen copy that holds a holder's served state: its round, that holder, and how many updates in a row it
-    has followed since it took the whole shard. A copy that will follow updates is downloaded whole from its holder;
-    one split across holders (`StateFetcher.fetch`, only where copies follow no updates) names the one that sent the
-    most."""
-
-    round: int
-    peer: str
-    updates: int = 0
-
-
-LOSSY_UPDATE_CHAIN = 4
-"""A frozen copy stored in bf16 or int8 follows at most this many updates in a row, then takes the whole shard:
-its storage rounds every sum (and drops an update smaller than half its precision), and over a chain of updates
-those roundings add up instead of staying within one."""
-
-
-def refresh_by_update(
-    held: HeldCopy | None, round_: int, holders: Collection[str], swarm: SwarmConfig
-) -> bool:
-    """Whether a frozen copy is refreshed for round `round_` by the update that follows it (its holder's change of
-    round `held.round + 1`, against what that holder served) rather than the whole shard: the copy is of round
-    `round_ - 1` or later (a holder may count one round more than we do), it came from a holder we may still ask,
-    and a copy stored lossily has not yet followed `LOSSY_UPDATE_CHAIN` updates."""
-    if not swarm.refresh_by_updates or held is None or held.round < round_ - 1 or held.peer not in holders:
-        return False
-    return swarm.frozen_dtype == "fp32" or held.updates < LOSSY_UPDATE_CHAIN
 
 
 def merge_due_at(round_: int, swarm: SwarmConfig) -> bool:
