@@ -6,11 +6,12 @@ already have a reachable holder whenever one exists, even if that leaves it room
 alone would hand it the shards nobody holds, and it would become their sole holder, whose state nobody can
 download.
 
-How a node knows that it takes no inbound connections: only from `--client-mode`. Nothing in the daemon detects
-it, and hivemind's own start-up check does not either (the bootstrap peer "pings back" over the connection the
-node opened itself); the last test shows what a NAT'd node without the flag does. Between nodes that serve the
-DHT the harm stays hidden (the NAT'd node dials each of them itself, and they reuse that connection), but a peer
-it never dials, such as a client-mode joiner, cannot download the shards it alone holds.
+How a node knows that it takes no inbound connections: from `--client-mode`, or from the dial-back check at join
+(`spes_node.swarm.reachability`): live peers open fresh connections to it and say whether they could. hivemind's
+own start-up check cannot tell (the bootstrap peer "pings back" over the connection the node opened itself), and
+between nodes that serve the DHT the harm stays hidden (the NAT'd node dials each of them itself, and they reuse
+that connection), but a peer it never dials, such as a client-mode joiner, could not download the shards it alone
+held. The last test starts the NAT'd node without the flag.
 """
 
 from __future__ import annotations
@@ -124,18 +125,13 @@ def test_nat_node_in_client_mode_takes_only_shards_with_a_reachable_holder(swarm
         "the public node with room for the uncovered shards to train",
     )
     assert sorted(joined.shards) == uncovered
+    # the public node dialled it back at join: it holds them as a reachable node
+    assert not joined.client_mode and "peers reach this node" in swarm.log("wide"), swarm.log("wide")[-3000:]
     summary = status_json(swarm)
     assert summary["no_holder"] == [] and summary["unreachable_only"] == [], summary["shards"]
     assert all(s["reachable_replicas"] >= 1 for s in summary["shards"]), summary["shards"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a node behind NAT started without --client-mode announces itself reachable: nothing detects that "
-    "inbound connections fail (hivemind's start-up ping-back reuses the node's own outbound connection, and "
-    "p2pd does not report AutoNAT's verdict), so placement gives it the shards nobody holds",
-)
 def test_nat_node_without_client_mode_is_not_the_sole_holder_of_a_shard(swarm, network):
     public, nat, public_shards = _start_public_then_nat(swarm, network)
     record = swarm.wait_for(lambda: _record(swarm, "nat"), 180, "the NAT'd node's record")
@@ -146,3 +142,6 @@ def test_nat_node_without_client_mode_is_not_the_sole_holder_of_a_shard(swarm, n
         f"the NAT'd node announces itself reachable and is the sole holder of shards {sole} "
         f"(it holds {sorted(record.shards)}, the public node {public_shards})"
     )
+    # because the public node could not dial it back: it joined as a client, and says why
+    assert record.client_mode and record.maddrs == [], record
+    assert "could connect to this node" in swarm.log("nat"), swarm.log("nat")[-3000:]

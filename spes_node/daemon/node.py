@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
 import threading
 import time
@@ -19,6 +20,7 @@ import torch
 from hivemind.dht.crypto import RSASignatureValidator
 
 from spes_node import __version__
+from spes_node.aio import LoopThread
 from spes_node.config import SpesConfig
 from spes_node.daemon.capacity import ShardRequest, shard_capacity
 from spes_node.daemon.checkpoint import (
@@ -46,7 +48,7 @@ from spes_node.model.moe import MoEForCausalLM
 from spes_node.model.ownership import apply_ownership, owned_shards
 from spes_node.model.tokenizer import load_tokenizer
 from spes_node.procs import NodeDHT, kill_tree
-from spes_node.swarm import records, relay
+from spes_node.swarm import reachability, records, relay
 from spes_node.swarm.identity import load_or_create_identity
 from spes_node.swarm.progress import ROUND_SLACK, consensus_round, should_catch_up
 from spes_node.swarm.swarm_key import SwarmKey
@@ -132,6 +134,8 @@ class Node:
         self._heartbeat: threading.Thread | None = None
         self.dht: hivemind.DHT | None = None
         self.sync: SpesRound | None = None
+        self._net_loop: LoopThread | None = None
+        """The event loop of the node's P2P calls (the DHT's p2p replica is bound to it); the round takes it over."""
         self.first_loss: float | None = None
         self.join_seconds = 0.0
         self.round_reports: list[dict] = []
@@ -215,8 +219,53 @@ class Node:
         self.peer_id = self.dht.peer_id.to_base58()
         self.cfg = self._agree_on_config()
         self.config_hash = self.cfg.hash()
+        self._check_reachability()
         self._log_swarm_commands(self.config_hash)
         write_text_atomic(self.opts.checkpoint_dir / "config.json", self.cfg.to_json())
+
+    def _check_reachability(self) -> None:
+        """A node that believes itself reachable asks a few live peers to dial it back (`reachability`); when all
+        that answer fail to, it joins as a client: it takes no inbound connections, so placement must not make it
+        the only holder of a shard. No peers, or no answer: it stays as it is."""
+        opts = self.opts
+        ports = reachability.tcp_ports(m for m in self.visible_maddrs if "/p2p-circuit" not in m)
+        if opts.client_mode or not ports:
+            return
+        nodes = records.fetch_nodes(self.dht, opts.run_id, self.cfg.swarm.num_shards, stop=self.stop_event)
+        candidates = [
+            peer
+            for peer, n in nodes.items()
+            if peer != self.peer_id and n.state in records.ACTIVE_STATES and not n.client_mode
+        ]
+        # at random, not from the seeded generator: one honest peer that reaches us outweighs any that says no
+        peers = random.SystemRandom().sample(candidates, min(len(candidates), reachability.MAX_ASKED))
+        if not peers:
+            return
+        # the DHT keeps one p2p replica, bound to the loop that made it: the round's loop, made here
+        loop = self._network_loop()
+        try:
+            p2p = loop.run(self.dht.replicate_p2p(), timeout=30)
+            verdict = loop.run(
+                reachability.dial_back(p2p, peers, ports, opts.run_id, reachability.ASK_TIMEOUT_S),
+                timeout=reachability.ASK_TIMEOUT_S + 5,
+            )
+        except Exception as e:
+            logger.warning(f"could not check whether peers reach this node: {type(e).__name__}: {e}")
+            return
+        if verdict is False:
+            logger.warning(
+                f"none of {len(peers)} peer(s) could connect to this node (ports {ports}): joining as a client "
+                "(--client-mode), as behind NAT or a firewall; open or forward the port to hold shards alone"
+            )
+            self.opts = replace(opts, client_mode=True)
+            self.visible_maddrs = [m for m in self.visible_maddrs if "/p2p-circuit" in m]
+        elif verdict:
+            logger.info("peers reach this node: it holds shards as a reachable peer")
+
+    def _network_loop(self) -> LoopThread:
+        if self._net_loop is None:
+            self._net_loop = LoopThread()
+        return self._net_loop
 
     def _load_checkpoint(self):
         """The newest intact checkpoint of this run, or None."""
@@ -316,6 +365,7 @@ class Node:
             set_ownership=self.trainer.set_ownership,
             swarm_key=self.opts.swarm_key,
             client_mode=self.opts.client_mode,
+            loop=self._network_loop(),
         )
         # the config's seeded initial weights, the same on every node that neither resumed nor loaded --init-from
         fresh = checkpoint is None and self.opts.init_from is None
@@ -457,8 +507,11 @@ class Node:
             self.validator,
             expiration_s=3 * self.cfg.swarm.heartbeat_s,
         )
+        before = records.fetch_nodes(self.dht, run_id, num_shards)
         time.sleep(min(2.0, self.cfg.swarm.heartbeat_s))
-        nodes = records.fetch_nodes(self.dht, run_id, num_shards)
+        # both reads count: a holder whose heartbeat came late, or that one read missed, is still a holder (placed
+        # without it, we would take a shard it already holds, and a rebalance would have to move someone later)
+        nodes = {**before, **records.fetch_nodes(self.dht, run_id, num_shards)}
         nodes[self.peer_id] = self._joining_info()
         joiners = [p for p, n in nodes.items() if n.state == "joining" and not n.shards]
         target = self.cfg.swarm.replication_target
@@ -688,6 +741,8 @@ class Node:
                 logger.warning("the DHT process is gone: the node record expires by itself")
         if self.sync is not None:
             _bounded(self.sync.shutdown, max(1.0, deadline - time.monotonic() - 2.0), "stop averaging")
+        elif self._net_loop is not None:
+            self._net_loop.stop()
         if self.dht is not None:
             # a DHT that did not answer the withdrawal in its time hangs: it will not stop when asked either
             seconds = max(1.0, deadline - time.monotonic()) if dht_answers else 1.0

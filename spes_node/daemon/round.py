@@ -57,6 +57,7 @@ from spes_node.swarm.averaging import (
 )
 from spes_node.swarm.fetch import StateFetcher
 from spes_node.swarm.progress import should_catch_up, wait_for_peers
+from spes_node.swarm.reachability import DialBackServer
 from spes_node.swarm.robust import BanList
 from spes_node.swarm.snapshots import FrozenShard, SnapshotPublisher, cpu_copy
 from spes_node.swarm.swarm_key import SwarmKey
@@ -180,14 +181,16 @@ class SpesRound:
         set_ownership: Callable[[list[int]], None] | None = None,
         swarm_key: SwarmKey | None = None,
         client_mode: bool = False,
+        loop: LoopThread | None = None,
     ):
         """`set_ownership`: makes the model and the optimiser train other shards (before their weights are loaded,
-        so that they arrive at full precision); called when the node moves to another shard."""
+        so that they arrive at full precision); called when the node moves to another shard. `loop`: the event loop
+        for its P2P calls (its own if None; stopped by `shutdown` either way)."""
         self.cfg, self.run_id, self.config_hash, self.peer_id = cfg, run_id, config_hash, peer_id
         self.dht, self.model, self.stop_event = dht, model, stop_event
         self.shards = tuple(shards)
         self.set_ownership, self.swarm_key, self.client_mode = set_ownership, swarm_key, client_mode
-        self.loop = LoopThread()
+        self.loop = loop or LoopThread()
         self.bans = BanList()
         self.shared_avg: GroupAverager | None = None
         self.shard_avgs: dict[int, GroupAverager] = {}
@@ -197,6 +200,7 @@ class SpesRound:
         self.publisher: SnapshotPublisher | None = None
         self.p2p = None
         self.server: StateServer | None = None
+        self.dial_back: DialBackServer | None = None
         self.last_report: dict = {}
         self._inflight: _Flight | None = None
         self.frozen = FrozenCopies(cfg, model, self.loop, stop_event)
@@ -229,6 +233,9 @@ class SpesRound:
             swarm_key=self.swarm_key,
         )
         self.loop.run(self.server.start())
+        if not self.client_mode:  # a client takes no connections: it cannot dial anyone back either way
+            self.dial_back = DialBackServer(self.p2p, self.run_id)
+            self.loop.run(self.dial_back.start())
         # what is served travels at that precision anyway: keep the snapshots at that precision, not fp32
         dtype = torch.float16 if state_wire == "fp16" else torch.float32
         self.publisher = SnapshotPublisher(self.server, self.loop, dtype, updates=swarm.refresh_by_updates)
@@ -739,6 +746,8 @@ class SpesRound:
         try:
             if self.server is not None:
                 self.loop.run(self.server.stop(), timeout=2)
+            if self.dial_back is not None:
+                self.loop.run(self.dial_back.stop(), timeout=2)
             if self.p2p is not None:
                 self.loop.run(self.p2p.shutdown(), timeout=2)
         except Exception as e:

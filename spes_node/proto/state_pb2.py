@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bstate.proto\x12\x04spes\"`\n\x0cStateRequest\x12\x0c\n\x04part\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_hash\x18\x02 \x01(\t\x12\x11\n\tmin_round\x18\x03 \x01(\x04\x12\x0b\n\x03tag\x18\x04 \x01(\x0c\x12\r\n\x05names\x18\x05 \x03(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bstate.proto\x12\x04spes\"`\n\x0cStateRequest\x12\x0c\n\x04part\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_hash\x18\x02 \x01(\t\x12\x11\n\tmin_round\x18\x03 \x01(\x04\x12\x0b\n\x03tag\x18\x04 \x01(\x0c\x12\r\n\x05names\x18\x05 \x03(\t\" \n\x0f\x44ialBackRequest\x12\r\n\x05ports\x18\x01 \x03(\r\"#\n\x10\x44ialBackResponse\x12\x0f\n\x07reached\x18\x01 \x03(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,4 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATEREQUEST']._serialized_start=21
   _globals['_STATEREQUEST']._serialized_end=117
+  _globals['_DIALBACKREQUEST']._serialized_start=119
+  _globals['_DIALBACKREQUEST']._serialized_end=151
+  _globals['_DIALBACKRESPONSE']._serialized_start=153
+  _globals['_DIALBACKRESPONSE']._serialized_end=188
 # @@protoc_insertion_point(module_scope)
