@@ -23,26 +23,41 @@ def dhts():
         dht.shutdown()
 
 
-def counted_bytes(dhts, compression: str, average: str) -> list[tuple[int, int]]:
-    """(sent, received) of each member in one all-reduce of `NUMEL` values."""
-    # one of them was once found gone here in a loaded suite run (a FileNotFoundError from the next averager's
-    # start, with its p2pd's socket): say so plainly if it happens again
+def counted_bytes(dhts: list, compression: str, average: str) -> list[tuple[int, int]]:
+    """(sent, received) of each member in one all-reduce of `NUMEL` values.
+
+    In 2 of 7 loaded suite runs, a p2pd of these DHTs closed its control socket during a group (its process alive,
+    the cause not found), and the next averager's start failed with FileNotFoundError. The DHTs are then replaced
+    (in `dhts`) and the measurement taken once more, saying so; a second loss fails the test."""
     assert all(dht.is_alive() for dht in dhts), [dht.is_alive() for dht in dhts]
-    zeros = {"w": torch.zeros(NUMEL)}
-    group = [
-        GroupAverager(
-            dht,
-            f"bytes_{compression}_{average}",
-            zeros,
-            compression=compression,
-            matchmaking_time=2.0,
-            allreduce_timeout=60.0,
-            client_mode=False,
-            average=average,
-        )
-        for dht in dhts
-    ]
     try:
+        return _count(dhts, compression, average)
+    except FileNotFoundError as e:
+        print(
+            f"\n{compression}/{average}: an averager could not reach its DHT's p2pd ({e}): fresh DHTs, once more"
+        )
+        for dht in dhts:
+            dht.shutdown()
+        dhts[:] = loopback_dhts(MEMBERS)
+        return _count(dhts, compression, average)
+
+
+def _count(dhts: list, compression: str, average: str) -> list[tuple[int, int]]:
+    zeros = {"w": torch.zeros(NUMEL)}
+    group = []
+    try:
+        for dht in dhts:
+            averager = GroupAverager(
+                dht,
+                f"bytes_{compression}_{average}",
+                zeros,
+                compression=compression,
+                matchmaking_time=2.0,
+                allreduce_timeout=60.0,
+                client_mode=False,
+                average=average,
+            )
+            group.append(averager)
         generator = torch.Generator().manual_seed(0)
         common = torch.randn(NUMEL, generator=generator)
         for _ in range(3):
