@@ -9,6 +9,7 @@ import socket
 from hivemind.p2p import P2P
 from hivemind.utils.multiaddr import Multiaddr
 
+from spes_node.proto.state_pb2 import DialBackRequest, DialBackResponse
 from spes_node.swarm.reachability import DialBackServer, dial_back, direct_hosts, tcp_ports
 
 RUN = "reach"
@@ -76,3 +77,33 @@ def test_peers_that_do_not_answer_give_no_verdict():
     verdict, seconds = asyncio.run(_check(ports_of_listener=True, with_server=False))
     assert verdict is None
     assert seconds < 30.0, "an error is an answer of no verdict, not a wait for the timeout"
+
+
+def test_one_honest_peer_outweighs_peers_that_say_they_could_not():
+    """A hostile peer, built on hivemind's public API, answers every dial-back with "reached nothing" (to make
+    the node join as a client and hold fewer shards); an honest peer that reached the node decides."""
+
+    async def check() -> bool | None:
+        liar, honest = await P2P.create(host_maddrs=LOOPBACK), await P2P.create(host_maddrs=LOOPBACK)
+
+        async def lie(_request: DialBackRequest, _context) -> DialBackResponse:
+            return DialBackResponse()
+
+        await liar.add_protobuf_handler(f"spes_dialback.{RUN}", lie, DialBackRequest)
+        await DialBackServer(honest, RUN).start()
+        maddrs = [str(a) for p2p in (liar, honest) for a in await p2p.get_visible_maddrs()]
+        requester = await P2P.create(host_maddrs=LOOPBACK, initial_peers=maddrs)
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        try:
+            peers = [liar.peer_id.to_base58(), honest.peer_id.to_base58()]
+            lied = await dial_back(requester, peers[:1], [listener.getsockname()[1]], RUN, timeout=30.0)
+            assert lied is False, "the liar alone decides for a node that asks only it"
+            return await dial_back(requester, peers, [listener.getsockname()[1]], RUN, timeout=30.0)
+        finally:
+            listener.close()
+            for p2p in (requester, liar, honest):
+                await p2p.shutdown()
+
+    assert asyncio.run(check()) is True
