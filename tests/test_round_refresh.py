@@ -148,3 +148,21 @@ def test_a_round_serves_its_state_before_taking_a_groups_weights():
         assert report.resynced == []  # the download failed: it keeps its own anchor
     finally:
         spes_round.loop.stop()
+
+
+def test_a_stopping_node_does_not_wait_for_an_averager_that_never_takes_its_step():
+    # an averager process that hangs (its DHT frozen) never takes the step: hivemind's step waits for it without a
+    # timeout; the round gives it up when the node stops, as no group
+    cfg = load_preset("tiny")
+    stop_event = threading.Event()
+    spes_round = _round(cfg, stop_event)
+    hung = threading.Event()
+    try:
+        assert spes_round._unless_stopped(lambda: ("control", 0.0)) == ("control", 0.0)
+        threading.Timer(0.5, stop_event.set).start()
+        started = time.monotonic()
+        assert spes_round._unless_stopped(lambda: hung.wait(300) and None) is None
+        assert time.monotonic() - started < 10
+    finally:
+        hung.set()
+        spes_round.loop.stop()

@@ -397,9 +397,10 @@ class SpesRound:
 
         def step(averager: GroupAverager, key: str, local: dict[str, torch.Tensor]):
             if not self.updates:
-                return averager.step(local, weight, gather, extra)
+                return self._unless_stopped(lambda: averager.step(local, weight, gather, extra))
             anchored = (*gather, self.anchor_ids[key])
-            return averager.step(local, weight, anchored, extra, anchor=self.anchor(key))
+            anchor = self.anchor(key)
+            return self._unless_stopped(lambda: averager.step(local, weight, anchored, extra, anchor=anchor))
 
         shard_handles = {}
         for shard, local in shards_local.items():
@@ -413,6 +414,30 @@ class SpesRound:
             sent_shared=_clone(shared_local) if overlap else None,
             sent_shards={shard: _clone(local) if overlap else None for shard, local in shards_local.items()},
         )
+
+    def _unless_stopped(self, start: Callable[[], tuple]) -> tuple | None:
+        """`start()`, an averager's step, run in a thread; None (no group) if the node stops first.
+
+        A step waits, without a timeout, for its averager process to take it (and for the lock of the shared
+        buffers): an averager process that hangs (its DHT frozen) would otherwise hold a stopping node forever."""
+        box: dict = {}
+
+        def run() -> None:
+            try:
+                box["handle"] = start()
+            except BaseException as e:  # raised again on the round's thread
+                box["error"] = e
+
+        thread = threading.Thread(target=run, name="spes-step", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            if thread.is_alive() and self.stop_event.is_set():
+                logger.warning("stopping while an averager has not taken its step: not waiting for it")
+                return None
+        if "error" in box:
+            raise box["error"]
+        return box["handle"]
 
     def round_in_flight(self) -> bool:
         return self._inflight is not None
