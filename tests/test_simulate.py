@@ -228,7 +228,8 @@ def test_status_with_the_default_run_id_names_the_swarm_that_is_there(simulated)
 @pytest.mark.swarm
 def test_join_with_another_run_id_names_the_swarm_that_is_there(simulated, tmp_path):
     maddr, _ = simulated
-    opts = NodeOptions(peers=[maddr], run_id="spes", join_timeout=1.0, checkpoint_dir=tmp_path)
+    # the default join timeout: the DHT's p2pd took over 1 s to start in a loaded suite run
+    opts = NodeOptions(peers=[maddr], run_id="spes", checkpoint_dir=tmp_path)
     node = Node(None, opts)
     node.validator = RSASignatureValidator(load_or_create_identity(tmp_path / "identity.key"))
     node.dht = node._start_dht(str(tmp_path / "identity.key"))

@@ -23,41 +23,53 @@ def test_replicas_averaging_int8_updates_agree(tmp_path):
     """Three fresh nodes on one shard (every node a replica): members of a clean round apply the same 8-bit
     average to the same anchor, so their trained weights agree (exactly, unless a node started from the swarm's
     round-0 state at fp16 or took the group's weights); and each moves about a quarter of the bytes of fp32 weights."""
-    swarm = Swarm(tmp_path, num_shards=1, merge_interval=10_000, matchmaking_time=6.0, **UPDATES)
     names = ["a", "b", "c"]
-    try:
-        for name in names:
-            swarm.start(name, "--max-rounds", "3", "--wait-peers", "3")
-        for name in names:
-            assert swarm.wait_exit(name, 240) == 0, swarm.log(name)[-3000:]
-        summaries = {name: swarm.summary(name) for name in names}
-        rounds = {name: s["rounds"] for name, s in summaries.items()}
-        # they started together, so some round had all three in one group (on a loaded machine one may miss the
-        # last round's matchmaking: then the two that met are the clean round compared below)
-        assert any(
-            all(r["shared_group"] == 3 and r["shard_group"] == 3 for r in by_round)
-            for by_round in zip(*rounds.values())
-        ), rounds
-        last = {name: r[-1] for name, r in rounds.items()}
-        size = max(r["shared_group"] for r in last.values())
-        members = [name for name, r in last.items() if r["shared_group"] == size and r["shard_group"] == size]
-        assert size >= 2 and len(members) == size, rounds
-        for name in members:
-            assert last[name]["failed_parts"] == 0, (name, last[name])
-        states = {name: swarm.checkpoint(name) for name in members}
-        # the final checkpoint is written right after the last round, before any further local step
-        ref = states[members[0]].tensors
-        for name in members[1:]:
-            other = states[name].tensors
-            assert ref.keys() == other.keys()
-            for key in ref:
-                torch.testing.assert_close(other[key].float(), ref[key].float(), rtol=2e-3, atol=2e-4)
-        shared = {k: v for k, v in ref.items() if ".mlp.shards." not in k}
-        moved = last[members[0]]["bytes_shared"]
-        fp32 = 2 * estimated_bytes(_numel(shared), size, "none")  # sent and received
-        assert 0 < moved < 0.4 * fp32, (moved, fp32)
-    finally:
-        swarm.close()
+    for attempt in range(2):
+        (tmp_path / f"run{attempt}").mkdir()
+        swarm = Swarm(
+            tmp_path / f"run{attempt}", num_shards=1, merge_interval=10_000, matchmaking_time=6.0, **UPDATES
+        )
+        try:
+            for name in names:
+                swarm.start(name, "--max-rounds", "3", "--wait-peers", "3")
+            for name in names:
+                assert swarm.wait_exit(name, 240) == 0, swarm.log(name)[-3000:]
+            summaries = {name: swarm.summary(name) for name in names}
+            rounds = {name: s["rounds"] for name, s in summaries.items()}
+            # they started together, so some round had all three in one group (on a loaded machine one may miss the
+            # last round's matchmaking: then the two that met are the clean round compared below)
+            assert any(
+                all(r["shared_group"] == 3 and r["shard_group"] == 3 for r in by_round)
+                for by_round in zip(*rounds.values())
+            ), rounds
+            last = {name: r[-1] for name, r in rounds.items()}
+            size = max(r["shared_group"] for r in last.values())
+            members = [
+                name for name, r in last.items() if r["shared_group"] == size and r["shard_group"] == size
+            ]
+            assert size >= 2 and len(members) == size, rounds
+            failed = {name: last[name]["failed_parts"] for name in members}
+            if any(failed.values()) and attempt == 0:
+                # a reducer that timed out on a loaded machine: the round says so, and its members differ by that
+                # part; the comparison needs a clean last round
+                print(f"\nthe last round had failed parts {failed}: the swarm runs once more")
+                continue
+            assert not any(failed.values()), (failed, last)
+            states = {name: swarm.checkpoint(name) for name in members}
+            # the final checkpoint is written right after the last round, before any further local step
+            ref = states[members[0]].tensors
+            for name in members[1:]:
+                other = states[name].tensors
+                assert ref.keys() == other.keys()
+                for key in ref:
+                    torch.testing.assert_close(other[key].float(), ref[key].float(), rtol=2e-3, atol=2e-4)
+            shared = {k: v for k, v in ref.items() if ".mlp.shards." not in k}
+            moved = last[members[0]]["bytes_shared"]
+            fp32 = 2 * estimated_bytes(_numel(shared), size, "none")  # sent and received
+            assert 0 < moved < 0.4 * fp32, (moved, fp32)
+            return
+        finally:
+            swarm.close()
 
 
 def test_a_late_joiner_comes_to_share_the_groups_anchor_then_averages_updates_with_it(tmp_path):
