@@ -89,7 +89,7 @@ class FrozenCopies:
         swarm = self.cfg.swarm
         wanted = [s for s in range(swarm.num_shards) if s not in own]
         holders = {shard: self.fetcher.holders(nodes, shard, excluded) for shard in wanted}
-        expected = {shard: self._shapes(shard) for shard in wanted}
+        expected = {shard: shard_shapes(self.model, shard) for shard in wanted}
         by_update = {
             shard: self.held[shard]
             for shard in wanted
@@ -225,8 +225,10 @@ class FrozenCopies:
         if self._refresh is not None:
             self._refresh.cancel()
 
-    def _shapes(self, shard: int) -> dict[str, torch.Size]:
-        return {k: v.shape for k, v in shard_tensors(self.model, shard).items()}
+
+def shard_shapes(model: MoEForCausalLM, shard: int) -> dict[str, torch.Size]:
+    """The names and shapes of a shard's tensors: what a download of it must hold."""
+    return {k: v.shape for k, v in shard_tensors(model, shard).items()}
 
 
 def refresh_due(round_: int, swarm: SwarmConfig) -> bool:

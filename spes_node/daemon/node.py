@@ -38,8 +38,8 @@ from spes_node.daemon.checkpoint_writer import (
 )
 from spes_node.daemon.data import TokenBatcher, validation_batches
 from spes_node.daemon.metrics import NodeMetrics
-from spes_node.daemon.placement import assign_joiners, data_part
-from spes_node.daemon.round import RoundInputs, RoundReport, SpesRound, StateTaken, next_data_part
+from spes_node.daemon.placement import assign_joiners, data_part, reachable
+from spes_node.daemon.round import RoundInputs, RoundReport, SpesRound, StateTaken, live_peers, next_data_part
 from spes_node.daemon.trainer import Trainer
 from spes_node.devices import resolve_device
 from spes_node.errors import SpesError
@@ -228,15 +228,11 @@ class Node:
         that answer fail to, it joins as a client: it takes no inbound connections, so placement must not make it
         the only holder of a shard. No peers, or no answer: it stays as it is."""
         opts = self.opts
-        ports = reachability.tcp_ports(m for m in self.visible_maddrs if "/p2p-circuit" not in m)
+        ports = reachability.tcp_ports(self.visible_maddrs)
         if opts.client_mode or not ports:
             return
         nodes = records.fetch_nodes(self.dht, opts.run_id, self.cfg.swarm.num_shards, stop=self.stop_event)
-        candidates = [
-            peer
-            for peer, n in nodes.items()
-            if peer != self.peer_id and n.state in records.ACTIVE_STATES and not n.client_mode
-        ]
+        candidates = [peer for peer, n in live_peers(nodes, self.peer_id).items() if reachable(n)]
         # at random, not from the seeded generator: one honest peer that reaches us outweighs any that says no
         peers = random.SystemRandom().sample(candidates, min(len(candidates), reachability.MAX_ASKED))
         if not peers:
@@ -258,7 +254,7 @@ class Node:
                 "(--client-mode), as behind NAT or a firewall; open or forward the port to hold shards alone"
             )
             self.opts = replace(opts, client_mode=True)
-            self.visible_maddrs = [m for m in self.visible_maddrs if "/p2p-circuit" in m]
+            self.visible_maddrs = [m for m in self.visible_maddrs if relay.CIRCUIT in m]
         elif verdict:
             logger.info("peers reach this node: it holds shards as a reachable peer")
 

@@ -36,7 +36,7 @@ from spes_node.daemon.anchors import (
     settle_anchor,
     update_norm,
 )
-from spes_node.daemon.frozen import FrozenCopies, HeldCopy, refresh_due
+from spes_node.daemon.frozen import FrozenCopies, HeldCopy, refresh_due, shard_shapes
 from spes_node.daemon.placement import data_part, plan_rebalance_move
 from spes_node.model.merge import merge_alpha, merge_due, merge_layer
 from spes_node.model.moe import MoEForCausalLM, read_stored
@@ -633,7 +633,7 @@ class SpesRound:
     def _expected(self, part: str) -> dict[str, torch.Size]:
         if part == "shared":
             return {k: v.shape for k, v in shared_parameters(self.model).items()}
-        return {k: v.shape for k, v in shard_tensors(self.model, _shard_of(part)).items()}
+        return shard_shapes(self.model, _shard_of(part))
 
     def _refresh_and_merge(self, nodes: dict, round_: int, own_taken: bool = False) -> tuple[int, bool]:
         """Refresh frozen experts (in the background) and run the merge warm-up when due; (refreshed, merged).

@@ -20,6 +20,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from spes_node.proto.state_pb2 import DialBackRequest, DialBackResponse
+from spes_node.swarm.relay import CIRCUIT
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def tcp_ports(maddrs: Iterable[str]) -> list[int]:
     """The TCP ports of direct (not relayed) addresses, in order, without repeats, at most `MAX_PORTS`."""
     ports: list[int] = []
     for text in maddrs:
-        if "/p2p-circuit" in text:
+        if CIRCUIT in text:
             continue
         try:
             port = int(Multiaddr(text).value_for_protocol("tcp"))
@@ -51,8 +52,7 @@ def direct_hosts(addrs: Iterable[Multiaddr]) -> list[str]:
     """The IP addresses of direct connections among `addrs` (a peer's connections as p2pd lists them)."""
     hosts: list[str] = []
     for addr in addrs:
-        text = str(addr)
-        if "/p2p-circuit" in text:
+        if CIRCUIT in str(addr):
             continue
         for protocol in ("ip4", "ip6"):
             try:
