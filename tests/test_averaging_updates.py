@@ -3,6 +3,10 @@ every member, the weights mode and fp16/fp32 unchanged, anchors and the outer st
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+
 import pytest
 import torch
 from swarm_utils import loopback_dhts
@@ -228,3 +232,27 @@ def test_outer_steps_on_an_averaged_update():
     on_weights.apply(b, {"w": b["w"] - second["w"]})
     torch.testing.assert_close(a["w"], b["w"])
     torch.testing.assert_close(on_updates.previous["w"], a["w"])
+
+
+def test_a_step_of_an_unresponsive_averager_is_given_up_at_its_deadline(dhts):
+    """An averager process that gives no outcome (here frozen with SIGSTOP after taking its step) no longer holds
+    `finish` forever (a CI run's wire-bytes test waited 300 s on one): the step is given up at its deadline, with
+    an error that says so."""
+    [averager] = averagers(
+        dhts, 1, compression="fp16", matchmaking_time=5.0, allreduce_timeout=2.0, step_grace=1.0
+    )
+    box = {}
+    try:
+        handle = averager.step({name: torch.ones(shape) for name, shape in SHAPES.items()}, 1.0, (0, 0, 1))
+        os.kill(averager.averager.pid, signal.SIGSTOP)
+        worker = threading.Thread(target=lambda: box.update(outcome=averager.finish(handle)), daemon=True)
+        worker.start()
+        worker.join(120)  # the deadline is 2 x 10 s of matchmaking + 2 s + 1 s after the step
+        assert not worker.is_alive(), "finish still waits on an averager that will never answer"
+    finally:
+        os.kill(averager.averager.pid, signal.SIGCONT)
+        averager.shutdown()
+    result, averaged = box["outcome"]
+    assert averaged is None and result.group_size == 1 and result.bytes_sent == 0
+    assert "unresponsive" in (result.error or ""), result
+    assert result.seconds >= handle.deadline - handle.started - 0.5, result

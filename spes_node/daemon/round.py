@@ -621,10 +621,9 @@ class SpesRound:
     def _finish(self, averager: GroupAverager, handle) -> tuple[GroupResult, dict | None]:
         if handle is None:
             return GroupResult(1, 0.0, 0, 0), None
-        control, _ = handle
-        while not control.done():
+        while not handle.control.done() and time.perf_counter() < handle.deadline:
             if self.stop_event.wait(0.1):
-                control.cancel()
+                handle.control.cancel()
                 break
         return averager.finish(handle)
 

@@ -38,6 +38,7 @@ import string
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 from hivemind import DHT
@@ -94,11 +95,28 @@ class GroupResult:
         return self.error is None and not self.failed_reducers and self.shared_anchor is not None
 
 
+class StepHandle(NamedTuple):
+    """A step in flight, from `GroupAverager.step`."""
+
+    control: Any
+    """hivemind's StepControl: `done()`, `cancel()`, `result()`."""
+    started: float
+    """`time.perf_counter()` when the step was handed to the averager."""
+    deadline: float
+    """`time.perf_counter()` past which hivemind should have ended the step, whatever happened in the group
+    (matchmaking, a late retry, the all-reduce's own timeout, and a grace); an averager with no outcome by then
+    is unresponsive, and `finish` gives the step up."""
+
+
+STEP_GRACE_SECONDS = 30.0
+
+
 class GroupAverager:
     """Averages a fixed list of named tensors with whoever is matchmaking under the same key.
 
     `average="updates"` averages pseudo-gradients (see the module docstring); `error_feedback=False` turns the
-    residual off (for comparison)."""
+    residual off (for comparison). `step_grace`: seconds past a step's own timeouts before `finish` gives up an
+    averager that gave no outcome."""
 
     def __init__(
         self,
@@ -115,6 +133,7 @@ class GroupAverager:
         max_weight: float = math.inf,
         average: str = "weights",
         error_feedback: bool = True,
+        step_grace: float = STEP_GRACE_SECONDS,
     ):
         if average not in MODES:
             raise ValueError(f"average: expected one of {MODES}, got {average!r}")
@@ -123,6 +142,7 @@ class GroupAverager:
         self.compression_name = compression
         self.numel = sum(t.numel() for t in tensors.values())
         self.matchmaking_time, self.allreduce_timeout = matchmaking_time, allreduce_timeout
+        self.step_grace = step_grace
         self.averager = RobustAverager(
             [t.detach().float().cpu().clone() for t in tensors.values()],
             dht=dht,
@@ -178,20 +198,25 @@ class GroupAverager:
                     buffer.add_(residual[i])
         self.averager.set_banned(self.bans.active())
         start = time.perf_counter()
-        control = self.averager.step(
-            weight=max(weight, 1e-6),
-            gather=gather,
-            timeout=self.matchmaking_time * 2 + max(0.0, wait_extra),
-            wait=False,
-        )
-        return control, start
+        matchmaking = self.matchmaking_time * 2 + max(0.0, wait_extra)
+        control = self.averager.step(weight=max(weight, 1e-6), gather=gather, timeout=matchmaking, wait=False)
+        # hivemind may start a last matchmaking attempt just before its deadline, then the all-reduce
+        deadline = start + 2 * matchmaking + self.allreduce_timeout + self.step_grace
+        return StepHandle(control, start, deadline)
 
-    def finish(self, handle) -> tuple[GroupResult, dict[str, torch.Tensor] | None]:
-        """Wait for the step; returns the averaged tensors (with updates: the averaged pseudo-gradient), or None
-        when no group formed or the all-reduce failed."""
-        control, start = handle
+    def finish(self, handle: StepHandle) -> tuple[GroupResult, dict[str, torch.Tensor] | None]:
+        """Wait for the step, until its deadline at most; returns the averaged tensors (with updates: the averaged
+        pseudo-gradient), or None when no group formed, the all-reduce failed or the averager gave no outcome in
+        time (the step is then cancelled, and the result's `error` says so)."""
+        control, start, deadline = handle
         try:
-            outcome: GroupOutcome | None = control.result()
+            outcome: GroupOutcome | None = control.result(timeout=max(0.0, deadline - time.perf_counter()))
+        except TimeoutError:
+            control.cancel()
+            seconds = time.perf_counter() - start
+            error = f"the averager gave no outcome in {seconds:.0f}s (unresponsive): step given up"
+            logger.error(f"{self.prefix}: {error}")
+            return GroupResult(1, seconds, 0, 0, error=error), None
         except Exception as e:  # hivemind raises several types for a failed round; none is fatal to us
             return GroupResult(1, time.perf_counter() - start, 0, 0, error=f"{type(e).__name__}: {e}"), None
         seconds = time.perf_counter() - start
