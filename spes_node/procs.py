@@ -106,6 +106,25 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def start_time(pid: int) -> int | None:
+    """When `pid` started (clock ticks after boot, from /proc), or None if there is no such process: with its pid,
+    it names one process, where a pid alone may name a later one that reused it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def kill_if_same(pid: int, started: int | None) -> None:
+    """SIGKILL `pid` if it is still the process that started at `started` (see `start_time`)."""
+    if started is not None and start_time(pid) == started:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _children_by_parent() -> dict[int, list[int]]:
     tree: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():

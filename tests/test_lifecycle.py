@@ -12,7 +12,7 @@ import pytest
 from hivemind.utils import get_dht_time
 from swarm_utils import Swarm
 
-from spes_node.procs import children, descendants
+from spes_node.procs import children, descendants, kill_if_same, start_time
 
 pytestmark = pytest.mark.swarm
 
@@ -75,6 +75,8 @@ def test_a_node_whose_dht_hangs_still_stops_in_time_and_a_second_signal_exits_at
     dht_processes = {
         name: _dht_process(proc.pid) for name, proc in (("frozen", frozen), ("impatient", impatient))
     }
+    # killed at the end only if still the same processes: a pid freed meanwhile may be another test's by then
+    frozen_tree = {pid: start_time(pid) for dht in dht_processes.values() for pid in (dht, *descendants(dht))}
     try:
         for name, pid in dht_processes.items():
             os.kill(pid, signal.SIGSTOP)
@@ -95,12 +97,8 @@ def test_a_node_whose_dht_hangs_still_stops_in_time_and_a_second_signal_exits_at
         assert swarm.checkpoint("frozen") is not None
         assert "could not withdraw the node record" in swarm.log("frozen")
     finally:
-        for pid in dht_processes.values():
-            for victim in (pid, *descendants(pid)):
-                try:
-                    os.kill(victim, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        for pid, started in frozen_tree.items():
+            kill_if_same(pid, started)
 
 
 def _dht_process(node_pid: int) -> int:

@@ -145,3 +145,8 @@ def test_nat_node_without_client_mode_is_not_the_sole_holder_of_a_shard(swarm, n
     # because the public node could not dial it back: it joined as a client, and says why
     assert record.client_mode and record.maddrs == [], record
     assert "could connect to this node" in swarm.log("nat"), swarm.log("nat")[-3000:]
+    log = swarm.log("nat")
+    # its DHT serves nobody either, and the command it prints for others names its peers, not its own address
+    assert "DHT restarted in client mode" in log, log[-3000:]
+    join = next(line for line in log.splitlines() if "to join this swarm: " in line)
+    assert f"/ip4/{nat.address}/" not in join and "--peers " in join, join

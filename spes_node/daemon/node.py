@@ -219,25 +219,25 @@ class Node:
         self.peer_id = self.dht.peer_id.to_base58()
         self.cfg = self._agree_on_config()
         self.config_hash = self.cfg.hash()
-        self._check_reachability()
+        if not self._check_reachability():
+            self._restart_dht_as_client(str(identity_path))
         self._log_swarm_commands(self.config_hash)
         write_text_atomic(self.opts.checkpoint_dir / "config.json", self.cfg.to_json())
 
-    def _check_reachability(self) -> None:
-        """A node that believes itself reachable asks a few live peers to dial it back (`reachability`); when all
-        that answer fail to, it joins as a client: it takes no inbound connections, so placement must not make it
-        the only holder of a shard. No peers, or no answer: it stays as it is."""
+    def _check_reachability(self) -> bool:
+        """A node that believes itself reachable asks a few live peers to dial it back (`reachability`); False
+        when all that answer fail to: it must join as a client, as it takes no inbound connections, so placement
+        must not make it the only holder of a shard. No peers, or no answer: True, it stays as it is."""
         opts = self.opts
         ports = reachability.tcp_ports(self.visible_maddrs)
         if opts.client_mode or not ports:
-            return
+            return True
         nodes = records.fetch_nodes(self.dht, opts.run_id, self.cfg.swarm.num_shards, stop=self.stop_event)
         candidates = [peer for peer, n in live_peers(nodes, self.peer_id).items() if reachable(n)]
         # at random, not from the seeded generator: one honest peer that reaches us outweighs any that says no
         peers = random.SystemRandom().sample(candidates, min(len(candidates), reachability.MAX_ASKED))
         if not peers:
-            return
-        # the DHT keeps one p2p replica, bound to the loop that made it: the round's loop, made here
+            return True
         loop = self._network_loop()
         try:
             p2p = loop.run(self.dht.replicate_p2p(), timeout=30)
@@ -247,16 +247,30 @@ class Node:
             )
         except Exception as e:
             logger.warning(f"could not check whether peers reach this node: {type(e).__name__}: {e}")
-            return
+            return True
         if verdict is False:
             logger.warning(
                 f"none of {len(peers)} peer(s) could connect to this node (ports {ports}): joining as a client "
                 "(--client-mode), as behind NAT or a firewall; open or forward the port to hold shards alone"
             )
-            self.opts = replace(opts, client_mode=True)
-            self.visible_maddrs = [m for m in self.visible_maddrs if relay.CIRCUIT in m]
-        elif verdict:
+            return False
+        if verdict:
             logger.info("peers reach this node: it holds shards as a reachable peer")
+        return True
+
+    def _restart_dht_as_client(self, identity_path: str) -> None:
+        """Start the DHT again in client mode, with the same identity: a DHT server that nobody can reach would
+        sit in its peers' routing tables, and their lookups would wait on it."""
+        loop = self._network_loop()
+        try:  # the check's replica (the DHT keeps it): it would outlive the daemon it talks to
+            replica = loop.run(self.dht.replicate_p2p(), timeout=10)
+            loop.run(replica.shutdown(), timeout=10)
+        except Exception as e:
+            logger.debug(f"closing the check's p2p replica: {type(e).__name__}: {e}")
+        self.dht.shutdown()
+        self.opts = replace(self.opts, client_mode=True)
+        self.dht = self._start_dht(identity_path)
+        logger.info("DHT restarted in client mode: this node serves no DHT requests and holds no shard alone")
 
     def _network_loop(self) -> LoopThread:
         if self._net_loop is None:
@@ -555,7 +569,9 @@ class Node:
             swarm = f"{peers} --run-id {opts.run_id}"
             swarm += " --swarm-key-file YOUR_SWARM_KEY_FILE" if opts.swarm_key else ""
             self._swarm_args = swarm
-            self._log_swarm_commands(self.cfg.hash() if self.cfg is not None else opts.config_hash)
+            if not opts.peers:
+                # a founder logs them at once; a joiner after its peers have checked that they reach it
+                self._log_swarm_commands(self.cfg.hash() if self.cfg is not None else opts.config_hash)
         if opts.relays:
             circuits = relay.circuit_maddrs(opts.relays, dht.peer_id.to_base58())
             logger.info(f"reachable through {len(circuits)} relay(s): {', '.join(circuits)}")

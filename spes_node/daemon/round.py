@@ -443,9 +443,11 @@ class SpesRound:
         return self._inflight is not None
 
     def round_ready(self) -> bool:
-        """True when the in-flight round's all-reduces are finished (never blocks)."""
-        flight = self._inflight
-        return flight is not None and all(h is None or h[0].done() for h in flight.handles())
+        """True when the in-flight round's all-reduces are finished or past their deadline (never blocks)."""
+        flight, now = self._inflight, time.perf_counter()
+        return flight is not None and all(
+            h is None or h.control.done() or now >= h.deadline for h in flight.handles()
+        )
 
     def complete_round(self) -> RoundReport:
         """Apply the averages, then (unless the node is stopping) catch up, refresh, merge, rebalance and settle
