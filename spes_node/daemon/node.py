@@ -57,13 +57,14 @@ logger = logging.getLogger(__name__)
 
 CONFIG_EXPIRATION_S = 3600.0
 CONFIG_REPUBLISH_S = 600.0
-SHUTDOWN_S = 12.0
+SHUTDOWN_S = 10.0
 """A stopping node exits within this (plus the final checkpoint's write)."""
 FINAL_WRITE_WAIT_S = 300.0
 """A stopping node waits this long for a checkpoint still being written before it writes the final one; past it,
 that write is abandoned (the checkpoint before it stays) and there is no final checkpoint."""
-NETWORK_SHUTDOWN_S = 6.0
-"""Of `SHUTDOWN_S`, what is kept for stopping the averagers and the DHT after the record is withdrawn."""
+NETWORK_SHUTDOWN_S = 4.0
+"""Of `SHUTDOWN_S`, what is kept for stopping the DHT (and the averagers, if not stopped yet) after the record is
+withdrawn."""
 
 
 class NodeError(SpesError):
@@ -742,19 +743,22 @@ class Node:
         # took 9 s), and the record must still be withdrawn after it
         deadline = time.monotonic() + SHUTDOWN_S
         dht_answers = self.dht is not None and self.dht.is_alive()
+        # the averagers and servers stop while the record is withdrawn (neither needs the other): a DHT that
+        # hangs costs the withdrawal's bound once, not that plus the averagers' stop
+        stopping = _Bounded(self.sync.shutdown, "stop averaging") if self.sync is not None else None
+        if stopping is None and self._net_loop is not None:
+            self._net_loop.stop()
         if leaving:
             if dht_answers:
-                dht_answers = _bounded(
+                withdrawal = _Bounded(
                     lambda: records.withdraw_node(self.dht, self.opts.run_id, self.peer_id, self.validator),
-                    deadline - time.monotonic() - NETWORK_SHUTDOWN_S,
                     "withdraw the node record",
                 )
+                dht_answers = withdrawal.join(deadline - time.monotonic() - NETWORK_SHUTDOWN_S)
             else:
                 logger.warning("the DHT process is gone: the node record expires by itself")
-        if self.sync is not None:
-            _bounded(self.sync.shutdown, max(1.0, deadline - time.monotonic() - 2.0), "stop averaging")
-        elif self._net_loop is not None:
-            self._net_loop.stop()
+        if stopping is not None:
+            stopping.join(max(1.0, deadline - time.monotonic() - 2.0))
         if self.dht is not None:
             # a DHT that did not answer the withdrawal in its time hangs: it will not stop when asked either
             seconds = max(1.0, deadline - time.monotonic()) if dht_answers else 1.0
@@ -1018,20 +1022,30 @@ def _shards_text(shards: tuple[int, ...]) -> str:
 def _bounded(fn, seconds: float, what: str) -> bool:
     """Run `fn` in a daemon thread for at most `seconds`; a call that hangs (a dead DHT) is left behind. True if it
     returned in time (with or without an error)."""
-    errors: list[BaseException] = []
+    return _Bounded(fn, what).join(seconds)
 
-    def target() -> None:
+
+class _Bounded:
+    """`fn` running in a daemon thread from now on; `join` waits for it a bounded time (see `_bounded`)."""
+
+    def __init__(self, fn, what: str):
+        self.what, self.errors = what, []
+        self.thread = threading.Thread(
+            target=self._run, args=(fn,), name=f"spes-shutdown-{what}", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self, fn) -> None:
         try:
             fn()
         except Exception as e:
-            errors.append(e)
+            self.errors.append(e)
 
-    thread = threading.Thread(target=target, name=f"spes-shutdown-{what}", daemon=True)
-    thread.start()
-    thread.join(max(0.0, seconds))
-    if thread.is_alive():
-        logger.warning(f"could not {what} within {seconds:.0f}s; going on")
-        return False
-    if errors:
-        logger.warning(f"could not {what}: {errors[0]}")
-    return True
+    def join(self, seconds: float) -> bool:
+        self.thread.join(max(0.0, seconds))
+        if self.thread.is_alive():
+            logger.warning(f"could not {self.what} within {seconds:.0f}s; going on")
+            return False
+        if self.errors:
+            logger.warning(f"could not {self.what}: {self.errors[0]}")
+        return True
