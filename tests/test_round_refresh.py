@@ -157,12 +157,30 @@ def test_a_stopping_node_does_not_wait_for_an_averager_that_never_takes_its_step
     stop_event = threading.Event()
     spes_round = _round(cfg, stop_event)
     hung = threading.Event()
+    errors = []
     try:
-        assert spes_round._unless_stopped(lambda: ("control", 0.0)) == ("control", 0.0)
+        assert spes_round._unless_stopped(lambda: ("control", 0.0), "shared", errors) == ("control", 0.0)
         threading.Timer(0.5, stop_event.set).start()
         started = time.monotonic()
-        assert spes_round._unless_stopped(lambda: hung.wait(300) and None) is None
+        assert spes_round._unless_stopped(lambda: hung.wait(300) and None, "shared", errors) is None
         assert time.monotonic() - started < 10
+        assert errors == []  # stopping is no failure
+    finally:
+        hung.set()
+        spes_round.loop.stop()
+
+
+def test_a_step_that_an_averager_never_takes_is_given_up_and_reported():
+    # the node goes on training (this group not averaged this round) instead of waiting for it forever
+    cfg = load_preset("tiny")
+    spes_round = _round(cfg, threading.Event())
+    hung = threading.Event()
+    errors = []
+    try:
+        assert (
+            spes_round._unless_stopped(lambda: hung.wait(300) and None, "shard1", errors, timeout=0.5) is None
+        )
+        assert len(errors) == 1 and "shard1" in errors[0] and "unresponsive" in errors[0], errors
     finally:
         hung.set()
         spes_round.loop.stop()

@@ -48,6 +48,7 @@ from spes_node.model.ownership import (
 )
 from spes_node.swarm import records
 from spes_node.swarm.averaging import (
+    STEP_GRACE_SECONDS,
     GroupAverager,
     GroupResult,
     NesterovOuter,
@@ -161,6 +162,8 @@ class _Flight:
     shards: dict[int, tuple | None]
     sent_shared: dict[str, torch.Tensor] | None
     sent_shards: dict[int, dict[str, torch.Tensor] | None]
+    errors: list[str] = field(default_factory=list)
+    """Steps that could not start (an averager that did not take its step in time)."""
 
     def handles(self) -> list:
         return [self.shared, *self.shards.values()]
@@ -395,12 +398,16 @@ class SpesRound:
             + ")"
         )
 
+        errors: list[str] = []
+
         def step(averager: GroupAverager, key: str, local: dict[str, torch.Tensor]):
             if not self.updates:
-                return self._unless_stopped(lambda: averager.step(local, weight, gather, extra))
+                return self._unless_stopped(lambda: averager.step(local, weight, gather, extra), key, errors)
             anchored = (*gather, self.anchor_ids[key])
             anchor = self.anchor(key)
-            return self._unless_stopped(lambda: averager.step(local, weight, anchored, extra, anchor=anchor))
+            return self._unless_stopped(
+                lambda: averager.step(local, weight, anchored, extra, anchor=anchor), key, errors
+            )
 
         shard_handles = {}
         for shard, local in shards_local.items():
@@ -413,13 +420,22 @@ class SpesRound:
             shards=shard_handles,
             sent_shared=_clone(shared_local) if overlap else None,
             sent_shards={shard: _clone(local) if overlap else None for shard, local in shards_local.items()},
+            errors=errors,
         )
 
-    def _unless_stopped(self, start: Callable[[], tuple]) -> tuple | None:
-        """`start()`, an averager's step, run in a thread; None (no group) if the node stops first.
+    def _unless_stopped(
+        self, start: Callable[[], tuple], key: str, errors: list[str], timeout: float | None = None
+    ) -> tuple | None:
+        """`start()`, an averager's step, run in a thread; None (no group) if the node stops first, or if the step
+        has not started after `timeout` seconds (by default twice the matchmaking window and a grace), which is
+        added to `errors`.
 
         A step waits, without a timeout, for its averager process to take it (and for the lock of the shared
-        buffers): an averager process that hangs (its DHT frozen) would otherwise hold a stopping node forever."""
+        buffers): an averager process that hangs (its DHT frozen, its loop wedged) would otherwise hold the round,
+        and the node's training, forever. The thread left waiting is a daemon."""
+        if timeout is None:
+            timeout = 2 * self.cfg.swarm.matchmaking_time + STEP_GRACE_SECONDS
+        deadline = time.perf_counter() + timeout
         box: dict = {}
 
         def run() -> None:
@@ -434,6 +450,13 @@ class SpesRound:
             thread.join(0.1)
             if thread.is_alive() and self.stop_event.is_set():
                 logger.warning("stopping while an averager has not taken its step: not waiting for it")
+                return None
+            if thread.is_alive() and time.perf_counter() >= deadline:
+                error = (
+                    f"{key}: the averager did not take its step in {timeout:.0f}s (unresponsive): no group"
+                )
+                logger.error(error)
+                errors.append(error)
                 return None
         if "error" in box:
             raise box["error"]
@@ -492,6 +515,7 @@ class SpesRound:
             shard_groups={shard: r.group_size for shard, r in shard_results.items()},
             overlapped=flight.sent_shared is not None,
         )
+        report.errors.extend(flight.errors)
         resyncs = []
         for kind, key, result, averaged, local, sent, outer in groups:
             report.add_bytes(kind, result.bytes_sent, result.bytes_received)
