@@ -15,36 +15,33 @@ NUMEL = 1_500_000
 MEMBERS = 3
 
 
-@pytest.fixture(scope="module")
-def dhts():
-    peers = loopback_dhts(MEMBERS)
-    yield peers
-    for dht in peers:
-        dht.shutdown()
+class Lost(Exception):
+    """A member was lost during a measurement: its averager could not reach its DHT's p2pd, gave no outcome, or
+    dropped out of a group (some parts not averaged, then groups without it)."""
 
 
-class Unresponsive(Exception):
-    """An averager gave no outcome by its step's deadline."""
+def counted_bytes(compression: str, average: str) -> list[tuple[int, int]]:
+    """(sent, received) of each member in one whole all-reduce of `NUMEL` values, on DHTs of its own.
 
-
-def counted_bytes(dhts: list, compression: str, average: str) -> list[tuple[int, int]]:
-    """(sent, received) of each member in one all-reduce of `NUMEL` values.
-
-    In 2 of 7 loaded suite runs, a p2pd of these DHTs closed its control socket during a group (its process alive,
-    the cause not found), and the next averager's start failed with FileNotFoundError; in one CI run an averager
-    never gave an outcome (before steps had a deadline, the test waited 300 s on it). The DHTs are then replaced
-    (in `dhts`) and the measurement taken once more, saying so; a second loss fails the test."""
-    assert all(dht.is_alive() for dht in dhts), [dht.is_alive() for dht in dhts]
-    try:
-        return _count(dhts, compression, average)
-    except (FileNotFoundError, Unresponsive) as e:
-        print(
-            f"\n{compression}/{average}: an averager could not reach its DHT's p2pd ({e}): fresh DHTs, once more"
-        )
-        for dht in dhts:
-            dht.shutdown()
-        dhts[:] = loopback_dhts(MEMBERS)
-        return _count(dhts, compression, average)
+    In 4 of 14 loaded suite runs and one CI run, one member of a group of these DHTs was lost: its p2pd closed its
+    control socket (the next averager's start failed with FileNotFoundError), its averager never gave an outcome,
+    or it dropped out of the group and then out of every group after. The cause is not found; the DHT processes
+    stayed alive. Each measurement therefore starts fresh DHTs, and a measurement that loses a member is taken once
+    more on new ones, saying so; a second loss fails the test."""
+    for attempt in range(2):
+        dhts = loopback_dhts(MEMBERS)
+        try:
+            return _count(dhts, compression, average)
+        except (FileNotFoundError, Lost) as e:
+            if attempt:
+                raise
+            print(
+                f"\n{compression}/{average}: a member was lost ({type(e).__name__}: {e}): fresh DHTs, once more"
+            )
+        finally:
+            for dht in dhts:
+                dht.shutdown()
+    raise AssertionError("unreachable")
 
 
 def _count(dhts: list, compression: str, average: str) -> list[tuple[int, int]]:
@@ -73,23 +70,23 @@ def _count(dhts: list, compression: str, average: str) -> list[tuple[int, int]]:
                 a.step(x, 1.0, (0, 0, 1), anchor=anchor) for a, x, anchor in zip(group, inputs, anchors)
             ]
             results = [a.finish(handle)[0] for a, handle in zip(group, handles)]
-            if any("unresponsive" in (r.error or "") for r in results):
-                raise Unresponsive([r.error for r in results])
             if all(r.group_size == MEMBERS and r.error is None and not r.failed_reducers for r in results):
                 return [(r.bytes_sent, r.bytes_received) for r in results]
-            # no group, or a group that lost a part (its bytes are short of a whole all-reduce's): once more
-            print(f"\n{compression}/{average}: not a whole all-reduce of every member, once more: {results}")
-        pytest.fail("no whole all-reduce of every member in 3 tries")
+            if all(r.group_size == 1 and r.bytes_sent == 0 for r in results) and not any(
+                "unresponsive" in (r.error or "") for r in results
+            ):
+                print(f"\n{compression}/{average}: no group formed, once more")
+                continue  # nobody met (a slow start): nothing was sent
+            raise Lost([(r.group_size, r.failed_reducers, r.error) for r in results])
+        pytest.fail("no group of every member formed in 3 tries")
     finally:
         for averager in group:
             averager.shutdown()
 
 
-def test_bytes_on_the_wire_scale_with_the_wire_precision(dhts):
-    counts = {
-        compression: counted_bytes(dhts, compression, "weights") for compression in ("none", "fp16", "int8")
-    }
-    counts["int8 updates"] = counted_bytes(dhts, "int8", "updates")
+def test_bytes_on_the_wire_scale_with_the_wire_precision():
+    counts = {compression: counted_bytes(compression, "weights") for compression in ("none", "fp16", "int8")}
+    counts["int8 updates"] = counted_bytes("int8", "updates")
     totals = {kind: sum(sent for sent, _ in members) for kind, members in counts.items()}
     print(
         {kind: [f"{s / NUMEL:.3f}/{r / NUMEL:.3f}" for s, r in members] for kind, members in counts.items()}
