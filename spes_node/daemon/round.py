@@ -53,6 +53,7 @@ from spes_node.swarm.averaging import (
     GroupResult,
     NesterovOuter,
     PlainAverage,
+    StepHandle,
     next_anchor_id,
     wire_compression,
 )
@@ -158,8 +159,8 @@ class _Flight:
 
     inputs: RoundInputs
     started: float
-    shared: tuple | None
-    shards: dict[int, tuple | None]
+    shared: StepHandle | None
+    shards: dict[int, StepHandle | None]
     sent_shared: dict[str, torch.Tensor] | None
     sent_shards: dict[int, dict[str, torch.Tensor] | None]
     errors: list[str] = field(default_factory=list)
@@ -424,8 +425,8 @@ class SpesRound:
         )
 
     def _unless_stopped(
-        self, start: Callable[[], tuple], key: str, errors: list[str], timeout: float | None = None
-    ) -> tuple | None:
+        self, start: Callable[[], StepHandle], key: str, errors: list[str], timeout: float | None = None
+    ) -> StepHandle | None:
         """`start()`, an averager's step, run in a thread; None (no group) if the node stops first, or if the step
         has not started after `timeout` seconds (by default twice the matchmaking window and a grace), which is
         added to `errors`.
@@ -467,10 +468,8 @@ class SpesRound:
 
     def round_ready(self) -> bool:
         """True when the in-flight round's all-reduces are finished or past their deadline (never blocks)."""
-        flight, now = self._inflight, time.perf_counter()
-        return flight is not None and all(
-            h is None or h.control.done() or now >= h.deadline for h in flight.handles()
-        )
+        flight = self._inflight
+        return flight is not None and all(h is None or h.over() for h in flight.handles())
 
     def complete_round(self) -> RoundReport:
         """Apply the averages, then (unless the node is stopping) catch up, refresh, merge, rebalance and settle
@@ -644,10 +643,10 @@ class SpesRound:
         report.resynced.append(part)
         logger.info(f"{part}: took the group's weights from its other members (anchor {anchor_id[:8]})")
 
-    def _finish(self, averager: GroupAverager, handle) -> tuple[GroupResult, dict | None]:
+    def _finish(self, averager: GroupAverager, handle: StepHandle | None) -> tuple[GroupResult, dict | None]:
         if handle is None:
             return GroupResult(1, 0.0, 0, 0), None
-        while not handle.control.done() and time.perf_counter() < handle.deadline:
+        while not handle.over():
             if self.stop_event.wait(0.1):
                 handle.control.cancel()
                 break

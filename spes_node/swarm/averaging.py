@@ -107,6 +107,10 @@ class StepHandle(NamedTuple):
     (matchmaking, a late retry, the all-reduce's own timeout, and a grace); an averager with no outcome by then
     is unresponsive, and `finish` gives the step up."""
 
+    def over(self) -> bool:
+        """The step is done, or past its deadline (never blocks)."""
+        return self.control.done() or time.perf_counter() >= self.deadline
+
 
 STEP_GRACE_SECONDS = 30.0
 
