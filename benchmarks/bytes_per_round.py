@@ -4,8 +4,9 @@ Both swarms run the same model, the same number of nodes and the same wire preci
 same code with one shard holding every expert (every node trains and all-reduces the whole model). A second pair
 (`bytes_per_round_ratio_vs_diloco_int8`) averages int8 pseudo-gradients with error feedback and a Nesterov outer
 step on both sides, as DiLoCo is deployed; state served to refreshes and joiners stays at fp16 (weights are never
-sent at 8 bits; a frozen copy one round old is refreshed by its holder's int8 update of the round). Each node sits
-in its own network namespace, so the headline counts real bytes on its link (all traffic: all-reduce, refresh, DHT,
+sent at 8 bits; a frozen copy of the last refresh is brought up to date by its holder's int8 update since then).
+SPES refreshes its frozen experts every `refresh_every` rounds (2 here; `benchmarks.quality` compares the loss of
+refreshing every round and every other round). Each node sits in its own network namespace, so the headline counts real bytes on its link (all traffic: all-reduce, refresh, DHT,
 headers), per complete round window. The breakdown by kind is the nodes' own accounting: all-reduce bytes are
 computed by the node from hivemind's butterfly formula at wire precision, refresh bytes are the serialized tensor
 bytes that arrived (received) or that the node's state server streamed (served). The reference implementation's
@@ -33,9 +34,10 @@ SETTINGS = {
     "num_nodes": 4,
     "spes_num_shards": 2,
     "sync_steps": 2,
-    "rounds": 4,
+    "refresh_every": 2,
+    "rounds": 5,
     "rate_mbit": 200,
-    "timeout_s": 900,
+    "timeout_s": 1200,
     "int8": True,
 }
 UPDATES_INT8 = {"average": "updates", "wire_compression": "int8", "outer_optimizer": "nesterov"}
@@ -50,6 +52,7 @@ def configs(settings: dict) -> dict[str, SpesConfig]:
     spes = {
         "num_shards": spes_shards,
         "sync_steps": settings["sync_steps"],
+        "refresh_every": settings["refresh_every"],
         "replication_target": n // spes_shards,
     }
     diloco = {"num_shards": 1, "sync_steps": settings["sync_steps"], "replication_target": n}
@@ -60,18 +63,26 @@ def configs(settings: dict) -> dict[str, SpesConfig]:
     return cfgs
 
 
-STEADY_FROM_ROUND = 2
-"""Round windows from this round on are the steady state: in round 1 every node refreshes its frozen copies for
-the first time, which takes whole shards (later refreshes of a copy one round old move the holder's update)."""
+def steady_rounds(refresh_every: int, rounds: int) -> range:
+    """The round windows of the steady state: from the round after the first refresh (every node's first refresh of
+    its frozen copies takes whole shards; later refreshes of a copy of the last refresh move the holder's update),
+    whole refresh periods only, so that refresh rounds and the rounds between them count as often as they occur."""
+    first = refresh_every + 1
+    periods = (rounds - first) // refresh_every  # windows 1 .. rounds - 1 are complete
+    if periods < 1:
+        raise ValueError(f"rounds: {rounds} holds no whole refresh period after the first refresh")
+    return range(first, first + periods * refresh_every)
 
 
-def per_round(run: NetworkRun) -> dict:
-    """Mean bytes per node per complete round of the steady state: by kind (accounting) and on the wire; with the
-    same figures over every complete round (the first refresh included) under "all_rounds"."""
-    steady = [w for w in run.windows if w.round >= STEADY_FROM_ROUND]
-    if not steady:
-        raise RuntimeError(f"{run.label}: no complete round windows from round {STEADY_FROM_ROUND} on")
-    result = _mean_window(run, steady)
+def per_round(run: NetworkRun, steady: range) -> dict:
+    """Mean bytes per node per complete round of the steady state (`steady_rounds`): by kind (accounting) and on
+    the wire; with the same figures over every complete round (the first refresh included) under "all_rounds"."""
+    windows = [w for w in run.windows if w.round in steady]
+    if not windows:
+        raise RuntimeError(
+            f"{run.label}: no complete round windows in rounds {steady.start}-{steady.stop - 1}"
+        )
+    result = _mean_window(run, windows)
     result["all_rounds"] = _mean_window(run, run.windows)
     return result
 
@@ -111,14 +122,14 @@ def analytic(cfg: SpesConfig, num_nodes: int, num_shards: int, replicas: int) ->
     Butterfly all-reduce in a group of g: a node sends and receives 2 (g-1)/g of the vector each. Refresh: a node
     receives the (S-1)/S experts it does not hold; serving is spread over the holders, so on average it also sends
     that much. DiLoCo: the whole model in a group of n. Server (the reference): upload shared + own experts,
-    download the full model, every round. A refresh every round moves each holder's int8 update of the round
-    (`swarm.refresh_by_updates`, the steady state: the first refresh of a copy takes the whole shard); otherwise
-    whole shards, as weights, which travel at fp16 even when the all-reduces send int8 updates (fp32 only with an
-    uncompressed wire).
+    download the full model, every round. A refresh (every `refresh_every` rounds) moves each holder's int8 update
+    since the last refresh (`swarm.refresh_by_updates`, the steady state: the first refresh of a copy takes the
+    whole shard); otherwise whole shards, as weights, which travel at fp16 even when the all-reduces send int8
+    updates (fp32 only with an uncompressed wire).
     """
     counts = analytic_param_count(cfg.model)
     w = WIRE_BYTES[cfg.swarm.wire_compression]
-    by_update = cfg.swarm.refresh_by_updates and cfg.swarm.refresh_every == 1
+    by_update = cfg.swarm.refresh_by_updates
     w_state = WIRE_BYTES["int8" if by_update else "none" if cfg.swarm.wire_compression == "none" else "fp16"]
     shared, experts, total = counts["shared"], counts["experts"], counts["total"]
     n, S, r = num_nodes, num_shards, replicas
@@ -166,7 +177,8 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
             )
             for name, cfg in cfgs.items()
         }
-    measured = {name: per_round(r) for name, r in runs.items()}
+    steady = steady_rounds(settings["refresh_every"], settings["rounds"])
+    measured = {name: per_round(r, steady) for name, r in runs.items()}
     spes, diloco = measured["spes"], measured["diloco"]
     headline_kind = "payload_total" if netns_problem else "wire_total"
     predicted = analytic(cfgs["spes"], n, S, n // S)
@@ -236,7 +248,7 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
         )
     )
     emit(
-        f"rounds {STEADY_FROM_ROUND} on (steady state); over every round, the first refresh (whole shards) "
+        f"rounds {steady.start}-{steady.stop - 1} (steady state); over every round, the first refresh (whole shards) "
         f"included: {results['bytes_per_round_ratio_vs_diloco_all_rounds']:.3f} of DiLoCo"
         + (f", int8 {int8['bytes_per_round_ratio_vs_diloco_int8_all_rounds']:.3f}" if int8 else "")
     )

@@ -9,6 +9,7 @@ setting's seeds differ only by the seed. Settings:
 - spes_4x2: SPES, 4 shards, 2 holders each (8 nodes, half the per-node batch);
 - spes_4x1_no_merge: spes_4x1 without the expert-merging warm-up;
 - spes_4x1_int8: spes_4x1 with every pseudo-gradient on an emulated int8 wire (with error feedback);
+- spes_4x1_refresh2: spes_4x1 with the frozen experts refreshed every other round (`swarm.refresh_every` = 2);
 - spes_4x1_16e: spes_4x1 on the model with twice the experts, whose all-experts node does not fit the per-node
   memory that diloco uses (equal per-node memory; measured from the tensors).
 The final global model of each run is exported as a Hugging Face checkpoint and evaluated by `spes-node eval` on
@@ -67,6 +68,7 @@ SETTINGS = {
         "spes_4x2",
         "spes_4x1_no_merge",
         "spes_4x1_int8",
+        "spes_4x1_refresh2",
         "spes_4x1_16e",
     ],
     "headline": "spes_4x1",
@@ -84,6 +86,13 @@ SETUPS = {
         Setting("spes_4x2", 4, 2, description="4 shards x 2 holders (8 nodes, half batch each)"),
         Setting("spes_4x1_no_merge", 4, 1, merge=False, description="spes_4x1 without the merge warm-up"),
         Setting("spes_4x1_int8", 4, 1, wire="int8", description="spes_4x1, int8 pseudo-gradients + EF"),
+        Setting(
+            "spes_4x1_refresh2",
+            4,
+            1,
+            refresh_every=2,
+            description="spes_4x1, frozen experts refreshed every 2 rounds",
+        ),
         Setting("spes_4x1_16e", 4, 1, num_experts=16, description="spes_4x1 with 2x the experts"),
     )
 }
@@ -264,8 +273,13 @@ def update_latest(results: dict) -> None:
 
 
 def run(
-    workdir: Path, settings: dict | None = None, figure: Path = FIGURE, write_latest: bool = True
+    workdir: Path,
+    settings: dict | None = None,
+    figure: Path = FIGURE,
+    write_latest: bool = True,
+    result: str = "quality",
 ) -> dict:
+    """Train every setting of `settings["runs"]` for every seed; results in `benchmarks/results/<result>.json`."""
     from spes_node.daemon.data import validation_batches
     from spes_node.model.tokenizer import load_tokenizer
 
@@ -323,19 +337,29 @@ def run(
                     + (f", held-out {record['heldout']['loss']:.4f}" if "heldout" in record else "")
                     + f" ({record['train_seconds']:.0f}s train, {time.time() - started:.0f}s so far)"
                 )
-                _write(settings, runs, configs, heldout_info, None, load.summary(), partial=True)
-    return finish(settings, runs, configs, heldout_info, load.summary(), val[0], figure, write_latest)
+                _write(
+                    settings, runs, configs, heldout_info, None, load.summary(), partial=True, result=result
+                )
+    return finish(settings, runs, configs, heldout_info, load.summary(), val[0], figure, write_latest, result)
 
 
 def finish(
-    settings, runs, configs, heldout_info, load: dict, batch, figure: Path, write_latest: bool
+    settings,
+    runs,
+    configs,
+    heldout_info,
+    load: dict,
+    batch,
+    figure: Path,
+    write_latest: bool,
+    result="quality",
 ) -> dict:
     """Summary, equal-memory check, final quality.json, curves, table and latest.json from finished runs."""
     all_experts = None
     spes_name = settings["equal_memory"]["spes"]
     if spes_name in configs:
         all_experts = all_experts_node_memory(configs[spes_name], batch)
-    results = _write(settings, runs, configs, heldout_info, all_experts, load, partial=False)
+    results = _write(settings, runs, configs, heldout_info, all_experts, load, partial=False, result=result)
     plot(
         runs,
         figure,
@@ -374,7 +398,7 @@ def finish_from_file(figure: Path = FIGURE, write_latest: bool = True) -> dict:
     )
 
 
-def _write(settings, runs, configs, heldout_info, all_experts, load, partial: bool) -> dict:
+def _write(settings, runs, configs, heldout_info, all_experts, load, partial: bool, result="quality") -> dict:
     summary = summarize(runs, settings)
     headline = summary.get(settings["headline"], {})
     results = {
@@ -392,7 +416,7 @@ def _write(settings, runs, configs, heldout_info, all_experts, load, partial: bo
         "method": "swarms simulated in one process (benchmarks/quality_sim.py); int8 wire emulated",
         "partial": partial,
     }
-    common.write_result("quality", settings, results, load)
+    common.write_result(result, settings, results, load)
     return results
 
 
@@ -443,6 +467,12 @@ def main() -> None:
     parser.add_argument(
         "--finish", action="store_true", help="summarize the seeds every setting finished in quality.json"
     )
+    parser.add_argument(
+        "--result",
+        default="quality",
+        help="results file name (benchmarks/results/<name>.json); another name than quality leaves latest.json "
+        "and docs/quality_curves.png alone (a subset of the settings, say)",
+    )
     args = parser.parse_args()
     if args.finish:
         finish_from_file()
@@ -454,7 +484,17 @@ def main() -> None:
     if args.runs:
         overrides["runs"] = args.runs
     started = time.time()
-    run(Path(args.workdir), overrides)
+    if args.result == "quality":
+        run(Path(args.workdir), overrides)
+    else:
+        workdir = Path(args.workdir)
+        run(
+            workdir,
+            overrides,
+            figure=workdir / f"{args.result}_curves.png",
+            write_latest=False,
+            result=args.result,
+        )
     emit(f"quality benchmark took {time.time() - started:.0f}s")
 
 

@@ -5,7 +5,8 @@ every `sync_steps` steps a round is done the way the method defines it:
 - shared parameters averaged over all nodes, each shard over its holders (a shard with one holder is left as is);
 - the outer optimiser applied to each group's average (`PlainAverage` for SPES, `NesterovOuter` for DiLoCo), one per
   node and group as on a real node;
-- frozen copies of the other shards refreshed from their holders' new weights;
+- frozen copies of the other shards refreshed from their holders' new weights, every `refresh_every` rounds (and on
+  a merge round, whose merge reads every expert);
 - the merge warm-up (`model.merge.merge_layer`) on the own shard when due, from the refreshed (pre-merge) copies.
 
 Optionally each node's pseudo-gradient (start of round minus local weights) goes through hivemind's
@@ -59,6 +60,8 @@ class Setting:
     """"fp32" or "int8" (pseudo-gradients quantised with error feedback)."""
     num_experts: int | None = None
     """Experts per layer, when not the preset's."""
+    refresh_every: int = 1
+    """Frozen copies refreshed every this many rounds (`swarm.refresh_every`)."""
     description: str = ""
 
     @property
@@ -81,6 +84,7 @@ def setting_config(base: SpesConfig, setting: Setting, total_batch: int) -> Spes
             "replication_target": max(setting.replicas, 1),
             "outer_optimizer": setting.outer,
             "merge_alpha0": base.swarm.merge_alpha0 if setting.merge else 0.0,
+            "refresh_every": setting.refresh_every,
         },
     )
     if setting.num_experts is not None:
@@ -271,12 +275,14 @@ class SimSwarm:
             holders = self.holders(shard)
             self._average("shard", holders, self.start["shard"][holders[0].index])
         self.round += 1
-        self._refresh()
         sync_step = self.round * self.cfg.swarm.sync_steps
         swarm = self.cfg.swarm
-        if self.setting.merge and merge_due(
+        merging = self.setting.merge and merge_due(
             sync_step, swarm.merge_interval, swarm.merge_alpha0, swarm.merge_horizon
-        ):
+        )
+        if merging or self.round % self.setting.refresh_every == 0:
+            self._refresh()
+        if merging:
             for node in self.nodes:
                 self._merge(node, sync_step)
             self.log.merges += 1

@@ -173,8 +173,8 @@ class SwarmConfig:
     refresh_every: int = 1
     """Refresh frozen experts from their holders every this many rounds."""
     refresh_by_updates: bool = True
-    """Refresh a frozen copy that is one round old by its holder's int8 update of the round instead of the whole
-    shard (holders keep one more fp16 copy of their own shards for it); false: always the whole shard."""
+    """Refresh a frozen copy of the last refresh by its holder's int8 update since then instead of the whole shard
+    (holders keep one more fp16 copy of their own shards for it); false: always the whole shard."""
     replication_target: int = 2
     """Wanted replicas per shard; a shard below it is under-replicated."""
     outer_optimizer: str = "average"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import memory
-from benchmarks.bytes_per_round import analytic
+from benchmarks.bytes_per_round import analytic, steady_rounds
 from benchmarks.common import table
 from benchmarks.link_utilisation import window_utilisation
 from benchmarks.network_runs import round_windows
@@ -37,7 +37,8 @@ def test_analytic_spes_breakdown():
     counts = analytic_param_count(cfg.model)
     a = analytic(cfg, num_nodes=4, num_shards=2, replicas=2)
     assert a["spes_shard"] == pytest.approx(2 * counts["experts"] / 2 * 2)
-    assert a["spes_refresh_received"] == pytest.approx(counts["experts"] / 2 * 2 / 2)
+    # every other round, each holder's int8 update of both rounds (refresh_by_updates is on by default)
+    assert a["spes_refresh_received"] == pytest.approx(counts["experts"] / 2 * 1 / 2)
     assert a["server_total"] == pytest.approx(
         (counts["shared"] + counts["experts"] / 2 + counts["total"]) * 2
     )
@@ -57,8 +58,19 @@ def test_analytic_refresh_moves_fp16_weights_or_int8_updates():
     assert by_update["spes_refresh_received"] == pytest.approx(counts["experts"] / 2 * 1)  # the int8 update
     every_other = whole.replace(swarm={"refresh_by_updates": True, "refresh_every": 2})
     assert analytic(every_other, 4, 2, 2)["spes_refresh_received"] == pytest.approx(
-        counts["experts"] / 2 * 2 / 2
-    )
+        counts["experts"] / 2 * 1 / 2
+    ), "the int8 update of two rounds, every other round"
+
+
+def test_the_steady_state_is_whole_refresh_periods_after_the_first_refresh():
+    assert list(steady_rounds(1, 4)) == [
+        2,
+        3,
+    ]  # windows 1-3 are complete; round 1's refresh takes whole shards
+    assert list(steady_rounds(2, 5)) == [3, 4]  # round 2 takes whole shards; 3 (no refresh) and 4 (an update)
+    assert list(steady_rounds(2, 6)) == [3, 4], "round 5 alone is half a period"
+    with pytest.raises(ValueError, match="no whole refresh period"):
+        steady_rounds(2, 4)
 
 
 def test_memory_bound_for_all_experts_is_sixteen_bytes_per_parameter():

@@ -3,12 +3,14 @@ and whole shard, applying an update to a frozen copy, and two nodes that refresh
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
 
 import pytest
 import torch
+from hivemind.compression import NoCompression
 from safetensors.torch import load_file
 from swarm_utils import Swarm
 
@@ -19,8 +21,8 @@ from spes_node.daemon.frozen import LOSSY_UPDATE_CHAIN, FrozenCopies, HeldCopy, 
 from spes_node.model.moe import MoEForCausalLM
 from spes_node.model.ownership import apply_ownership, shard_tensors
 from spes_node.swarm.codecs import WIRE_CODECS
-from spes_node.swarm.snapshots import add_update, encode_update
-from spes_node.swarm.transfer import Download
+from spes_node.swarm.snapshots import SnapshotPublisher, add_update, encode_update
+from spes_node.swarm.transfer import Download, StateServer
 
 # ---------------------------------------------------------------------------------------------- the chain
 
@@ -85,6 +87,59 @@ def test_an_update_travels_in_about_half_the_bytes_of_the_shard_at_fp16():
     assert nbytes == numel * (1 + 4 / 1024), nbytes  # int8 per value and one fp32 scale per 1024 values
 
 
+def _publisher(every: int) -> tuple[SnapshotPublisher, StateServer, LoopThread]:
+    """A publisher with updates on a state server that is not on any network (publish and withdraw only)."""
+    loop = LoopThread()
+    server = StateServer(None, "chain", "hash", NoCompression())
+
+    async def ready():
+        server._updated = asyncio.Condition()
+
+    loop.run(ready())
+    return SnapshotPublisher(server, loop, torch.float16, updates=True, every=every), server, loop
+
+
+def test_with_refresh_every_two_rounds_the_chain_steps_on_refresh_rounds_by_the_sum_of_both():
+    weights = _trajectory(12)
+    publisher, server, loop = _publisher(every=2)
+    fp16 = torch.float16
+    served_updates = {}
+    try:
+        follower = None
+        for round_ in range(1, 12):
+            restart = round_ == 7  # a merge at round 7: the chain starts again at the next refresh round
+            publisher.publish(round_, {}, {0: weights[round_]}, {}, restart=restart)
+            update = server.snapshots.get("update:0")
+            served_updates[round_] = None if update is None else update.round
+            if round_ == 2:  # a follower takes the whole shard of the chain's first round
+                follower = {k: v.to(fp16).float() for k, v in weights[2].items()}
+            if update is not None and update.round == round_ and round_ <= 6:
+                follower = {
+                    k: add_update(follower[k], d, fp16).float() for k, d in _received(update.tensors).items()
+                }
+                # the update of round r brings a copy of round r - 2 to round r: both rounds' changes in one
+                two_rounds = float((weights[round_]["w"] - weights[round_ - 2]["w"]).abs().max())
+                assert _max_error(follower, weights[round_]) <= two_rounds / 127 + 2.0**-10 * 0.1
+                assert _max_error(follower, weights[round_ - 1]) > two_rounds / 127 + 2.0**-10 * 0.1
+    finally:
+        loop.stop()
+    # round 1 is no refresh round: no chain; 2 starts it; 4 and 6 step it, each update served until the next;
+    # the restart at 7 withdraws it, 8 starts the chain again, 10 steps it
+    assert served_updates == {
+        1: None,
+        2: None,
+        3: None,
+        4: 4,
+        5: 4,
+        6: 6,
+        7: None,
+        8: None,
+        9: None,
+        10: 10,
+        11: 10,
+    }
+
+
 # ---------------------------------------------------------------------------------------------- the choice
 
 
@@ -104,6 +159,16 @@ def test_a_copy_one_round_old_from_a_live_holder_is_refreshed_by_update_otherwis
     assert refresh_by_update(HeldCopy(6, "h", LOSSY_UPDATE_CHAIN - 1), 7, ["h"], lossy)
     assert not refresh_by_update(long_chain, 7, ["h"], lossy), "bf16 storage: the whole shard now and then"
     assert refresh_by_update(long_chain, 7, ["h"], swarm), "fp32 storage holds the chain exactly"
+
+
+def test_with_refresh_every_two_rounds_a_copy_of_the_last_refresh_round_follows_the_update():
+    swarm = load_preset("tiny").replace(swarm={"refresh_every": 2}).swarm
+    assert refresh_by_update(HeldCopy(4, "h"), 6, ["h"], swarm), "of the last refresh: the update of 6"
+    assert refresh_by_update(HeldCopy(6, "h"), 6, ["h"], swarm), "of this refresh already: the next update"
+    assert not refresh_by_update(HeldCopy(2, "h"), 6, ["h"], swarm), "two refreshes behind: the whole shard"
+    assert not refresh_by_update(HeldCopy(5, "h"), 6, ["h"], swarm), (
+        "of round 5: no holder's chain steps there"
+    )
 
 
 def test_the_switch_is_validated():
@@ -178,17 +243,19 @@ def _refreshes(log: str) -> list[dict[str, tuple[int, int]]]:
 @pytest.mark.swarm
 @pytest.mark.timeout(900)
 def test_two_nodes_refresh_each_others_shard_by_updates(tmp_path):
-    """a holds shard 0, b shard 1 (tiny, 2 shards; no merge warm-up, whose rounds take whole shards): after b's
-    first refresh of shard 0, its refreshes are updates of about half the bytes of the whole shard, and b's frozen
-    copy of shard 0 ends within the chain's rounding of a's weights of that round."""
+    """a holds shard 0, b shard 1 (tiny, 2 shards, a refresh every other round; no merge warm-up, whose rounds take
+    whole shards): after b's first refresh of shard 0, its refreshes are updates (both rounds' changes in one) of
+    about half the bytes of the whole shard, and b's frozen copy of shard 0 ends within the chain's rounding of a's
+    weights of that round."""
+    every = 2
     swarm = Swarm(
         tmp_path, run_id="updrefresh", num_shards=2, merge_interval=100000, averaging_timeout=30.0,
         matchmaking_time=4.0,
     )  # fmt: skip
-    cfg = swarm.cfg.replace(train={"keep_checkpoints": 12})
+    cfg = swarm.cfg.replace(train={"keep_checkpoints": 12}, swarm={"refresh_every": every})
     config = tmp_path / "updates.json"
     config.write_text(cfg.to_json())
-    rounds = 6
+    rounds = 8
     try:
         swarm.start("a", "--shard", "0", config=config)
         swarm.wait_for(lambda: "training shard 0" in swarm.log("a"), 300, "a training")
@@ -209,7 +276,10 @@ def test_two_nodes_refresh_each_others_shard_by_updates(tmp_path):
 
     refreshes = _refreshes(swarm.log("b"))
     print(f"b's refreshes of shard 0: {refreshes}")
-    assert len(refreshes) >= rounds, refreshes
+    assert len(refreshes) >= rounds // every, refreshes
+    assert all(int(m[1]) % every == 0 for m in REFRESH_LINE.finditer(swarm.log("b"))), (
+        "refreshed off schedule"
+    )
     # after the first, refreshes are updates; on a loaded machine one may find its holder a round further on and
     # take the whole shard instead (the fallback), never more than one
     by_update = [r for r in refreshes[1:] if set(r) == {"update"}]
@@ -222,17 +292,18 @@ def test_two_nodes_refresh_each_others_shard_by_updates(tmp_path):
         assert max(update_bytes) < 0.55 * refreshes[0]["shard"][1], refreshes[0]
     assert "Traceback" not in swarm.log("a") + swarm.log("b")
 
-    # b's last refresh asked for its last round (a may have served a later one): the closest of a's round-end
-    # states is one of those, and b's copy lies within the chain's rounding of it. That rounding is at most twice
-    # (the follower's offset from its first whole download, and the last update) an int8 step of a round's change
-    # (its largest value / 254 per block) plus fp16's half step (2^-11 of the weight): at most a round's largest
-    # change / 127 plus 2^-10 of the largest weight. We allow 4 x the first term (a's checkpoint is fp32, the
-    # served state fp16) and check that a copy one round older would fail it.
+    # b's last refresh asked for its last refresh round (a may have served a later one): the closest of a's
+    # round-end states is one of those, and b's copy lies within the chain's rounding of it. That rounding is at
+    # most twice (the follower's offset from its first whole download, and the last update) an int8 step of an
+    # update's change, two rounds' here (its largest value / 254 per block), plus fp16's half step (2^-11 of the
+    # weight): at most a round's largest change / 63 plus 2^-10 of the largest weight. We allow 2 x the first term
+    # (a's checkpoint is fp32, the served state fp16) and check that a copy one round older would fail it.
     def distance(state):
         return distance_between(b_copy, state)
 
     best = min(a_states, key=lambda r: distance(a_states[r]))
-    assert best >= b["round"], (best, b["round"], sorted(a_states))
+    last_refresh = b["round"] - b["round"] % every
+    assert best >= last_refresh, (best, b["round"], sorted(a_states))
     change = distance_between(a_states[best], a_states[best - 1])
     size = max(float(t.abs().max()) for t in a_states[best].values())
     tolerance = change / 32 + 2.0**-10 * size

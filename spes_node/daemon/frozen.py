@@ -1,8 +1,8 @@
 """Frozen experts: a node's copies of the shards it does not train, kept fresh from their holders.
 
 Every `refresh_every` rounds each frozen shard is downloaded in the background (`FrozenCopies.start`), every shard
-at once, each from its own holders: by the holder's update of the round when the copy is one round old and came
-from that holder (`refresh_by_update`), by the whole shard otherwise. An update is added to the copy as soon as it
+at once, each from its own holders: by the holder's update since the last refresh when the copy is of that refresh
+and came from that holder (`refresh_by_update`), by the whole shard otherwise. An update is added to the copy as soon as it
 arrives, off the training thread; what arrived waits at snapshot precision until the training thread loads it
 between steps (`apply`). A round waits for the refresh in flight, at most its timeout, before it reads the swarm's
 records (`finish`); a refresh past its timeout is cancelled and never applied.
@@ -102,7 +102,7 @@ class FrozenCopies:
             refresh, held, spent = None, by_update.get(shard), 0
             if held is not None:
                 download = await self.fetcher.fetch_update(
-                    held.peer, f"update:{shard}", expected[shard], held.round + 1
+                    held.peer, f"update:{shard}", expected[shard], held.round + swarm.refresh_every
                 )
                 if download is not None:
                     # added to the copy now, off the training thread: what waits for the next round is the new
@@ -183,11 +183,11 @@ class FrozenCopies:
 
     def follow(self, shard: int, held: HeldCopy, download: Download) -> Refresh | None:
         """An update from `held.peer` added to the frozen copy of `shard` that `held` describes
-        (`snapshots.add_update`, at snapshot precision), ready to load; None when the update is not of the round
-        after the copy or the sum is not finite. Runs beside training: it only reads the copy, which nothing but
+        (`snapshots.add_update`, at snapshot precision), ready to load; None when the update is not of the refresh
+        after the copy (`refresh_every` rounds on) or the sum is not finite. Runs beside training: it only reads the copy, which nothing but
         `apply` (on the training thread, after this) replaces."""
         round_ = download.round
-        if round_ != held.round + 1:
+        if round_ != held.round + self.cfg.swarm.refresh_every:
             logger.warning(f"shard {shard}: the update of round {round_} is not for our copy: not applied")
             return None
         current = shard_tensors(self.model, shard)
@@ -245,10 +245,14 @@ those roundings add up instead of staying within one."""
 def refresh_by_update(
     held: HeldCopy | None, round_: int, holders: Collection[str], swarm: SwarmConfig
 ) -> bool:
-    """Whether a frozen copy is refreshed for round `round_` by the update that follows it (its holder's change of
-    round `held.round + 1`, against what that holder served) rather than the whole shard: the copy is of round
-    `round_ - 1` or later (a holder may count one round more than we do), it came from a holder we may still ask,
-    and a copy stored lossily has not yet followed `LOSSY_UPDATE_CHAIN` updates."""
-    if not swarm.refresh_by_updates or held is None or held.round < round_ - 1 or held.peer not in holders:
+    """Whether a frozen copy is refreshed for round `round_` by the update that follows it (its holder's change
+    over the `refresh_every` rounds after `held.round`, against what that holder served) rather than the whole
+    shard: the copy is of a refresh round (holders' update chains step only on those), of the last refresh or later
+    (a holder may count one round more than we do), it came from a holder we may still ask, and a copy stored
+    lossily has not yet followed `LOSSY_UPDATE_CHAIN` updates."""
+    every = swarm.refresh_every
+    if not swarm.refresh_by_updates or held is None or held.peer not in holders:
+        return False
+    if held.round % every != 0 or held.round < round_ - every:
         return False
     return swarm.frozen_dtype == "fp32" or held.updates < LOSSY_UPDATE_CHAIN

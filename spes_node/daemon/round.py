@@ -242,7 +242,9 @@ class SpesRound:
             self.loop.run(self.dial_back.start())
         # what is served travels at that precision anyway: keep the snapshots at that precision, not fp32
         dtype = torch.float16 if state_wire == "fp16" else torch.float32
-        self.publisher = SnapshotPublisher(self.server, self.loop, dtype, updates=swarm.refresh_by_updates)
+        self.publisher = SnapshotPublisher(
+            self.server, self.loop, dtype, updates=swarm.refresh_by_updates, every=swarm.refresh_every
+        )
         self.fetcher = StateFetcher(
             self.p2p,
             self.run_id,

@@ -6,11 +6,13 @@ that round only: slower replicas fetch it after our merge). Snapshots of trained
 precision, never views of the live weights; frozen copies are read from their own buffers when asked for, since
 those are never changed in place (`transfer.Deferred`).
 
-With `updates`, a holder also serves "update:<j>" for each own shard: the change of the shard since the round
-before, int8 blockwise (`codecs.BlockwiseInt8`), so that a node whose frozen copy is one round old refreshes it
-for about half the bytes of the whole shard at fp16. The update is taken against the holder's published chain
-(what a follower that applied every update holds, `encode_update`), not against the previous weights, so a
-follower's error stays within one round's rounding however many rounds it follows.
+With `updates`, a holder also serves "update:<j>" for each own shard: the change of the shard since the last
+refresh (`every` rounds before: the swarm's `refresh_every`), int8 blockwise (`codecs.BlockwiseInt8`), so that a
+node whose frozen copy is of the last refresh brings it up to date for about half the bytes of the whole shard at
+fp16, however many rounds apart refreshes are. The chain steps on the refresh rounds (multiples of `every`), so
+that every holder's chain and every follower's copy meet on the same rounds. The update is taken against the
+holder's published chain (what a follower that applied every update holds, `encode_update`), not against the
+previous weights, so a follower's error stays within one refresh's rounding however many refreshes it follows.
 """
 
 from __future__ import annotations
@@ -42,12 +44,17 @@ class SnapshotPublisher:
     """Publishes a node's snapshots on its state server.
 
     With `updates`, each own shard also has an update chain (see the module docstring): the state a follower of
-    our updates holds, at `dtype`. It costs one more copy of the own shards at `dtype` (none in a round where the
-    chain restarted: it is then the served snapshot itself), plus the served update at about 1 byte per weight.
+    our updates holds, at `dtype`, stepping every `every` rounds. It costs one more copy of the own shards at
+    `dtype` (none in a round where the chain restarted: it is then the served snapshot itself), plus the served
+    update at about 1 byte per weight.
     """
 
-    def __init__(self, server: StateServer, loop: LoopThread, dtype: torch.dtype, updates: bool = False):
-        self.server, self.loop, self.dtype, self.updates = server, loop, dtype, updates
+    def __init__(
+        self, server: StateServer, loop: LoopThread, dtype: torch.dtype, updates: bool = False, every: int = 1
+    ):
+        if every < 1:
+            raise ValueError(f"every: must be at least 1, got {every}")
+        self.server, self.loop, self.dtype, self.updates, self.every = server, loop, dtype, updates, every
         self._chains: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
         """Own shard -> (round, the state a follower of our updates holds at that round)."""
 
@@ -95,17 +102,26 @@ class SnapshotPublisher:
     def _advance_chain(
         self, shard: int, round_: int, served: dict[str, torch.Tensor], restart: bool, parts: dict
     ) -> None:
-        """Add this round's "update:<j>" to `parts` when the chain is at the round before; keep the served one when
-        the round is published again unchanged; otherwise start the chain again (and serve no update)."""
-        chain = self._chains.get(shard)
-        if chain is not None and not restart and chain[0] == round_:
+        """On a refresh round (a multiple of `every`), add this round's "update:<j>" to `parts` when the chain is at
+        the refresh before, or start the chain again from `served` (serving no update) when it is not. Between
+        refresh rounds, and when a round is published again unchanged, the chain and its served update stay.
+        `restart` (the weights changed within a published round) ends the chain: it starts again at the next
+        refresh round, so that its rounds stay those followers refresh on."""
+        chain = None if restart else self._chains.get(shard)
+        refresh_round = round_ % self.every == 0
+        if chain is not None and chain[0] == round_:
             return
-        if chain is not None and not restart and chain[0] == round_ - 1:
+        if chain is not None and refresh_round and chain[0] == round_ - self.every:
             parts[f"update:{shard}"], advanced = encode_update(chain[1], served, self.dtype)
             self._chains[shard] = (round_, advanced)
             return
-        self._chains[shard] = (round_, served)
+        if chain is not None and not refresh_round and chain[0] > round_ - self.every:
+            return
         self._run(self.server.withdraw(f"update:{shard}"))
+        if refresh_round:
+            self._chains[shard] = (round_, served)
+        else:
+            self._chains.pop(shard, None)
 
     def _withdraw_stale_premerge(self, shard: int, round_: int) -> None:
         """A premerge snapshot lives for its round only (slower replicas still fetch it after our merge)."""
