@@ -20,7 +20,7 @@ import logging
 import time
 from pathlib import Path
 
-from benchmarks.common import LoadMonitor, emit, table, write_result
+from benchmarks.common import LoadMonitor, emit, merge_latest, table, write_result
 from benchmarks.netns import NetnsUnavailable, check_available
 from benchmarks.network_runs import NetworkRun, run_shaped_swarm
 from spes_node.config import SpesConfig, load_preset
@@ -153,7 +153,9 @@ def analytic(cfg: SpesConfig, num_nodes: int, num_shards: int, replicas: int) ->
     }
 
 
-def run(workdir: Path, settings: dict | None = None) -> dict:
+def run(workdir: Path, settings: dict | None = None, write_latest: bool = False) -> dict:
+    """Run the four swarms and write `bytes_per_round.json`; `write_latest`: merge the headlines into
+    `latest.json` too (a run on its own; `python -m benchmarks` gathers them itself)."""
     settings = {**SETTINGS, **(settings or {})}
     cfgs = configs(settings)
     n, S = settings["num_nodes"], settings["spes_num_shards"]
@@ -203,7 +205,7 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
             nodes // shards,
         )
         for preset, shards, nodes in (("small", 8, 16), ("spes-1b", 4, 8), ("spes-7b", 4, 8))
-        for every in (1, 4)
+        for every in (1, 2, 4)
     }
     results = {
         "bytes_per_round_ratio_vs_diloco": spes[headline_kind] / diloco[headline_kind],
@@ -274,15 +276,27 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
     )
     settings = {**settings, "configs": {name: cfg.to_dict() for name, cfg in cfgs.items()}}
     write_result("bytes_per_round", settings, results, load.summary())
+    if write_latest:
+        merge_latest(
+            {
+                key: results.get(key)
+                for key in (
+                    "bytes_per_round_ratio_vs_diloco",
+                    "bytes_per_round_ratio_vs_diloco_int8",
+                    "payload_ratio_vs_diloco",
+                )
+            }
+        )
     return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default="runs/benchmarks/bytes_per_round")
+    parser.add_argument("--no-latest", action="store_true", help="leave latest.json alone")
     args = parser.parse_args()
     started = time.time()
-    run(Path(args.workdir))
+    run(Path(args.workdir), write_latest=not args.no_latest)
     emit(f"bytes-per-round benchmark took {time.time() - started:.0f}s")
 
 

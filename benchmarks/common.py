@@ -110,6 +110,37 @@ class LoadMonitor:
         }
 
 
+GOALS = {
+    "memory_ratio": ("<=", 0.45),
+    "bytes_per_round_ratio_vs_diloco": ("<=", 0.5),
+    "bytes_per_round_ratio_vs_diloco_int8": ("<=", 0.6),
+    "link_utilisation": (">=", 0.8),
+    "throughput_ratio": (">=", 0.95),
+    "val_loss_ratio_vs_centralized": ("<=", 1.02),
+}
+"""The headline ratios' goals, as `latest.json` reports them."""
+
+
+def goal_entry(key: str, value: float | None) -> dict[str, Any]:
+    """`latest.json`'s goal record of a headline: the goal, the value and whether it is met (None: not measured)."""
+    op, target = GOALS[key]
+    met = None if value is None else value <= target if op == "<=" else value >= target
+    return {"goal": f"{op} {target}", "value": value, "met": met}
+
+
+def merge_latest(values: dict[str, Any]) -> None:
+    """Merge one benchmark's run into `latest.json`, keeping every other key: `values` replace theirs, and the goal
+    record of each headline among them is made again."""
+    path = RESULTS_DIR / "latest.json"
+    document = json.loads(path.read_text()) if path.is_file() else {}
+    document.update(values)
+    goals = document.setdefault("goals", {})
+    for key, value in values.items():
+        if key in GOALS:
+            goals[key] = goal_entry(key, value)
+    path.write_text(json.dumps(document, indent=1) + "\n")
+
+
 def write_result(name: str, settings: dict[str, Any], results: dict[str, Any], load: dict[str, Any]) -> Path:
     """`benchmarks/results/<name>.json`: the numbers with the machine, the date, the settings and the load."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)

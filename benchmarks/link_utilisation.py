@@ -19,7 +19,6 @@ same with all bytes on the wire, and with T starting when the round's sync begin
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import time
 from pathlib import Path
@@ -224,16 +223,14 @@ def run(workdir: Path, settings: dict | None = None, rounds: bool = True, write_
 
 def update_latest(results: dict) -> None:
     """Merge the link headline into `latest.json`, keeping every other key."""
-    path = common.RESULTS_DIR / "latest.json"
-    document = json.loads(path.read_text()) if path.exists() else {}
-    value = results["link_utilisation"]
-    document["link_utilisation"] = value
-    document["link_utilisation_by_rate"] = {
-        rate: r["utilisation_median"] for rate, r in results["by_rate"].items()
-    }
-    goal = document.setdefault("goals", {}).setdefault("link_utilisation", {"goal": ">= 0.8"})
-    goal["value"], goal["met"] = value, value is not None and value >= 0.8
-    path.write_text(json.dumps(document, indent=1) + "\n")
+    common.merge_latest(
+        {
+            "link_utilisation": results["link_utilisation"],
+            "link_utilisation_by_rate": {
+                rate: r["utilisation_median"] for rate, r in results["by_rate"].items()
+            },
+        }
+    )
 
 
 def main() -> None:

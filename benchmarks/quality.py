@@ -258,18 +258,8 @@ def plot(runs: dict[str, dict[int, dict]], path: Path, title: str) -> None:
 
 def update_latest(results: dict) -> None:
     """Merge the quality headline into `latest.json`, keeping every other key."""
-    path = common.RESULTS_DIR / "latest.json"
-    document = json.loads(path.read_text()) if path.is_file() else {}
-    for key in ("val_loss_ratio_vs_centralized", "val_loss_ratio_std"):
-        document[key] = results[key]
-    document["val_loss_ratios"] = results["ratios"]
-    goal = document.get("goals", {}).get("val_loss_ratio_vs_centralized")
-    if goal is not None and results["val_loss_ratio_vs_centralized"] is not None:
-        op, target = goal["goal"].split()
-        value = results["val_loss_ratio_vs_centralized"]
-        goal["value"] = value
-        goal["met"] = value <= float(target) if op == "<=" else value >= float(target)
-    path.write_text(json.dumps(document, indent=1) + "\n")
+    keys = ("val_loss_ratio_vs_centralized", "val_loss_ratio_std")
+    common.merge_latest({**{key: results[key] for key in keys}, "val_loss_ratios": results["ratios"]})
 
 
 def run(

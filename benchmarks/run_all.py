@@ -18,18 +18,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks import bytes_per_round, link_utilisation, memory, quality, scale, throughput
-from benchmarks.common import REPO_ROOT, RESULTS_DIR, LoadMonitor, emit, machine_info, python_cmd, table
+from benchmarks.common import (
+    REPO_ROOT,
+    RESULTS_DIR,
+    LoadMonitor,
+    emit,
+    goal_entry,
+    machine_info,
+    python_cmd,
+    table,
+)
 
 logger = logging.getLogger(__name__)
-
-GOALS = {
-    "memory_ratio": ("<=", 0.45),
-    "bytes_per_round_ratio_vs_diloco": ("<=", 0.5),
-    "bytes_per_round_ratio_vs_diloco_int8": ("<=", 0.6),
-    "link_utilisation": (">=", 0.8),
-    "throughput_ratio": (">=", 0.95),
-    "val_loss_ratio_vs_centralized": ("<=", 1.02),
-}
 
 
 def _gpu_step_check(workdir: Path) -> dict:
@@ -71,13 +71,6 @@ BENCHMARKS: dict[str, Callable[[Path], dict]] = {
 }
 
 
-def _goal_met(key: str, value: float | None) -> bool | None:
-    if value is None:
-        return None
-    op, target = GOALS[key]
-    return value <= target if op == "<=" else value >= target
-
-
 def gather(results: dict[str, dict], errors: dict[str, str], seconds: float, load: dict) -> dict:
     """The latest.json document: headline ratios, their goals, and where the details are."""
 
@@ -111,10 +104,7 @@ def gather(results: dict[str, dict], errors: dict[str, str], seconds: float, loa
         "suite_seconds": round(seconds, 1),
         "load": load,
         **headline,
-        "goals": {
-            key: {"goal": f"{GOALS[key][0]} {GOALS[key][1]}", "value": value, "met": _goal_met(key, value)}
-            for key, value in headline.items()
-        },
+        "goals": {key: goal_entry(key, value) for key, value in headline.items()},
         "memory_ratio_by_frozen_dtype": {
             dtype: {"measured": v["measured_ratio"], "analytic": v["analytic_ratio"]}
             for dtype, v in memory_detail.items()

@@ -171,7 +171,8 @@ def test_quality_benchmark_runs_and_writes_its_results(tmp_path, monkeypatch):
     corpus.write_text("".join(json.dumps({"text": words * (i + 3)}) + "\n" for i in range(40)))
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path / "results")
     (tmp_path / "results").mkdir()
-    (tmp_path / "results" / "latest.json").write_text(json.dumps({"memory_ratio": 0.4}))
+    stale_goal = {"val_loss_ratio_vs_centralized": {"goal": "<= 1.05", "value": 9.0, "met": False}}
+    (tmp_path / "results" / "latest.json").write_text(json.dumps({"memory_ratio": 0.4, "goals": stale_goal}))
     settings = {
         "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_experts": 4, "expert_ffn": 32},
         "data": {"source": str(corpus), "val_fraction": 0.2},
@@ -184,7 +185,7 @@ def test_quality_benchmark_runs_and_writes_its_results(tmp_path, monkeypatch):
         "val_batches": 2,
         "curve_val_batches": 1,
         "heldout": False,
-        "runs": ["centralized", "diloco", "spes_4x1", "spes_4x1_int8", "spes_4x1_16e"],
+        "runs": ["centralized", "diloco", "spes_4x1", "spes_4x1_int8", "spes_4x1_refresh2", "spes_4x1_16e"],
     }
     results = quality.run(tmp_path / "work", settings, figure=tmp_path / "curves.png")
 
@@ -200,6 +201,12 @@ def test_quality_benchmark_runs_and_writes_its_results(tmp_path, monkeypatch):
     assert (tmp_path / "curves.png").stat().st_size > 0
     latest = json.loads((tmp_path / "results" / "latest.json").read_text())
     assert latest["memory_ratio"] == 0.4 and latest["val_loss_ratio_std"] == results["val_loss_ratio_std"]
+    ratio = results["val_loss_ratio_vs_centralized"]
+    assert latest["goals"]["val_loss_ratio_vs_centralized"] == {
+        "goal": "<= 1.02",
+        "value": ratio,
+        "met": ratio <= 1.02,
+    }
 
 
 def test_link_allreduce_time_on_the_wire_and_utilisation():
