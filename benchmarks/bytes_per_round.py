@@ -24,8 +24,8 @@ from benchmarks.common import LoadMonitor, emit, merge_latest, table, write_resu
 from benchmarks.netns import NetnsUnavailable, check_available
 from benchmarks.network_runs import NetworkRun, run_shaped_swarm
 from spes_node.config import SpesConfig, load_preset
-from spes_node.model.moe import analytic_param_count
-from spes_node.swarm.averaging import WIRE_BYTES
+from spes_node.daemon.plan import param_counts
+from spes_node.daemon.traffic import round_traffic
 
 logger = logging.getLogger(__name__)
 
@@ -116,40 +116,26 @@ def _mean_window(run: NetworkRun, windows: list) -> dict:
     }
 
 
-def analytic(cfg: SpesConfig, num_nodes: int, num_shards: int, replicas: int) -> dict[str, float]:
-    """Bytes per node per round from parameter counts (fp32 elements, wire precision from the config).
-
-    Butterfly all-reduce in a group of g: a node sends and receives 2 (g-1)/g of the vector each. Refresh: a node
-    receives the (S-1)/S experts it does not hold; serving is spread over the holders, so on average it also sends
-    that much. DiLoCo: the whole model in a group of n. Server (the reference): upload shared + own experts,
-    download the full model, every round. A refresh (every `refresh_every` rounds) moves each holder's int8 update
-    since the last refresh (`swarm.refresh_by_updates`, the steady state: the first refresh of a copy takes the
-    whole shard); otherwise whole shards, as weights, which travel at fp16 even when the all-reduces send int8
-    updates (fp32 only with an uncompressed wire).
-    """
-    counts = analytic_param_count(cfg.model)
-    w = WIRE_BYTES[cfg.swarm.wire_compression]
-    by_update = cfg.swarm.refresh_by_updates
-    w_state = WIRE_BYTES["int8" if by_update else "none" if cfg.swarm.wire_compression == "none" else "fp16"]
-    shared, experts, total = counts["shared"], counts["experts"], counts["total"]
-    n, S, r = num_nodes, num_shards, replicas
-    refresh = (S - 1) / S * experts * w_state / cfg.swarm.refresh_every
+def analytic(cfg: SpesConfig, num_nodes: int) -> dict[str, float]:
+    """Bytes per node per round from parameter counts: the node's network plan (`daemon.traffic`, one shard held;
+    its docstring has the terms) as this benchmark reports it."""
+    t = round_traffic(cfg, num_nodes)
     spes = {
-        "shared": 4 * (n - 1) / n * shared * w,
-        "shard": 4 * (r - 1) / r * experts / S * w if r > 1 else 0.0,
-        "refresh_received": refresh,
-        "refresh_served": refresh,
+        "shared": t.shared,
+        "shard": t.shard,
+        "refresh_received": t.refresh_received,
+        "refresh_served": t.refresh_served,
+        "total": t.total,
     }
-    spes["total"] = sum(spes.values())
-    diloco = 4 * (n - 1) / n * total * w
-    server = (shared + experts / S) * w + total * w
+    counts = param_counts(cfg.model, cfg.swarm.num_shards)
+    own = counts["shared"] + counts["shard"]
     return {
         **{f"spes_{k}": v for k, v in spes.items()},
-        "diloco_total": diloco,
-        "server_total": server,
-        "server_total_fp32": (shared + experts / S) * 4 + total * 4,
-        "spes_vs_diloco": spes["total"] / diloco,
-        "server_vs_diloco": server / diloco,
+        "diloco_total": t.diloco,
+        "server_total": t.server,
+        "server_total_fp32": own * 4 + counts["total"] * 4,
+        "spes_vs_diloco": t.total / t.diloco,
+        "server_vs_diloco": t.server / t.diloco,
     }
 
 
@@ -183,7 +169,7 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
     measured = {name: per_round(r, steady) for name, r in runs.items()}
     spes, diloco = measured["spes"], measured["diloco"]
     headline_kind = "payload_total" if netns_problem else "wire_total"
-    predicted = analytic(cfgs["spes"], n, S, n // S)
+    predicted = analytic(cfgs["spes"], n)
     int8 = {}
     if "spes_int8" in measured:
         int8 = {
@@ -195,14 +181,11 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
                 headline_kind
             ]
             / measured["diloco_int8"]["all_rounds"][headline_kind],
-            "analytic_int8_same_setting": analytic(cfgs["spes_int8"], n, S, n // S),
+            "analytic_int8_same_setting": analytic(cfgs["spes_int8"], n),
         }
     extrapolated = {
         f"{preset} S={shards} n={nodes} refresh_every={every}": analytic(
-            load_preset(preset).replace(swarm={"num_shards": shards, "refresh_every": every}),
-            nodes,
-            shards,
-            nodes // shards,
+            load_preset(preset).replace(swarm={"num_shards": shards, "refresh_every": every}), nodes
         )
         for preset, shards, nodes in (("small", 8, 16), ("spes-1b", 4, 8), ("spes-7b", 4, 8))
         for every in (1, 2, 4)

@@ -20,6 +20,8 @@ PRESETS_DIR = Path(__file__).resolve().parent / "presets"  # also reachable as c
 FROZEN_DTYPES = ("fp32", "bf16", "int8")
 OUTER_OPTIMIZERS = ("average", "nesterov")
 WIRE_COMPRESSIONS = ("none", "fp16", "int8")
+WIRE_BYTES = {"none": 4, "fp16": 2, "uint8": 1, "int8": 1}
+"""Approximate bytes per value on the wire, for estimates (the all-reduce counts the real bytes)."""
 AVERAGE_MODES = ("weights", "updates")
 MAX_HEARTBEAT_S = 3600.0
 """Longest heartbeat period: records expire after 3 heartbeats, so a dead node shows for up to 3 of them."""

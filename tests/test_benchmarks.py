@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_analytic_spes_with_one_shard_is_diloco():
     cfg = load_preset("small").replace(swarm={"num_shards": 1})
-    a = analytic(cfg, num_nodes=4, num_shards=1, replicas=4)
+    a = analytic(cfg, num_nodes=4)
     assert a["spes_refresh_received"] == 0
     assert a["spes_total"] == pytest.approx(a["diloco_total"])
     counts = analytic_param_count(cfg.model)
@@ -35,7 +35,7 @@ def test_analytic_spes_with_one_shard_is_diloco():
 def test_analytic_spes_breakdown():
     cfg = load_preset("small").replace(swarm={"num_shards": 2, "refresh_every": 2})
     counts = analytic_param_count(cfg.model)
-    a = analytic(cfg, num_nodes=4, num_shards=2, replicas=2)
+    a = analytic(cfg, num_nodes=4)
     assert a["spes_shard"] == pytest.approx(2 * counts["experts"] / 2 * 2)
     # every other round, each holder's int8 update of both rounds (refresh_by_updates is on by default)
     assert a["spes_refresh_received"] == pytest.approx(counts["experts"] / 2 * 1 / 2)
@@ -48,16 +48,14 @@ def test_analytic_refresh_moves_fp16_weights_or_int8_updates():
     updates = {"num_shards": 2, "average": "updates", "wire_compression": "int8"}
     whole = load_preset("small").replace(swarm={**updates, "refresh_by_updates": False})
     counts = analytic_param_count(whole.model)
-    a = analytic(whole, num_nodes=4, num_shards=2, replicas=2)
+    a = analytic(whole, num_nodes=4)
     assert a["spes_shard"] == pytest.approx(2 * counts["experts"] / 2 * 1)
     assert a["spes_refresh_received"] == pytest.approx(counts["experts"] / 2 * 2)  # weights, at fp16
     assert a["diloco_total"] == pytest.approx(4 * 3 / 4 * counts["total"] * 1)
-    by_update = analytic(
-        whole.replace(swarm={"refresh_by_updates": True}), num_nodes=4, num_shards=2, replicas=2
-    )
+    by_update = analytic(whole.replace(swarm={"refresh_by_updates": True}), num_nodes=4)
     assert by_update["spes_refresh_received"] == pytest.approx(counts["experts"] / 2 * 1)  # the int8 update
     every_other = whole.replace(swarm={"refresh_by_updates": True, "refresh_every": 2})
-    assert analytic(every_other, 4, 2, 2)["spes_refresh_received"] == pytest.approx(
+    assert analytic(every_other, 4)["spes_refresh_received"] == pytest.approx(
         counts["experts"] / 2 * 1 / 2
     ), "the int8 update of two rounds, every other round"
 

@@ -32,6 +32,7 @@ from spes_node.daemon.plan import (
     plan_table,
 )
 from spes_node.daemon.round import merge_own_experts
+from spes_node.daemon.traffic import round_traffic
 from spes_node.daemon.trainer import Trainer
 from spes_node.model.moe import MoEForCausalLM, analytic_param_count
 from spes_node.model.ownership import apply_ownership
@@ -189,6 +190,8 @@ def _cli(*args):
         (["--preset", "spes-7b", "--shards", "two"], "--shards"),
         (["--preset", "spes-7b", "--shards", "9"], "--shards"),
         (["--preset", "no-such-preset"], "unknown preset"),
+        (["--preset", "spes-7b", "--nodes", "0"], "--nodes"),
+        (["--preset", "spes-7b", "--link-mbit", "-3"], "--link-mbit"),
         ([], "--preset"),
     ],
 )
@@ -218,6 +221,37 @@ def test_cli_table_and_json():
     assert data["gpu_total"] == memory_plan(load_preset("spes-7b")).gpu_total
     result = _cli("--preset", "spes-1b", "--shards", "4", "--device-memory", "24GB")
     assert "fits 24.00 GiB: no" in result.stdout and "--shards 1" in result.stdout
+
+
+def test_the_network_plan_counts_each_kind_from_the_parameter_counts():
+    cfg = load_preset("small").replace(swarm={"num_shards": 2, "replication_target": 2})
+    counts = param_counts(cfg.model, 2)
+    t = round_traffic(cfg)
+    assert (t.nodes, t.replicas) == (4, 2), "enough nodes for 2 holders of each of 2 shards"
+    # butterfly all-reduce: sent + received 4 (g-1)/g of the vector, fp16; the refresh: the other shard's int8 update
+    assert t.shared == pytest.approx(4 * 3 / 4 * counts["shared"] * 2)
+    assert t.shard == pytest.approx(4 * 1 / 2 * counts["shard"] * 2)
+    assert t.refresh_received == t.refresh_served == pytest.approx(counts["shard"] * 1)
+    assert t.diloco == pytest.approx(4 * 3 / 4 * counts["total"] * 2)
+    every_other = round_traffic(cfg.replace(swarm={"refresh_every": 2}))
+    assert every_other.refresh_received == pytest.approx(t.refresh_received / 2)
+    whole = round_traffic(cfg.replace(swarm={"refresh_by_updates": False}))
+    assert whole.refresh_received == pytest.approx(counts["shard"] * 2), "whole shards at fp16"
+    both = round_traffic(cfg, nodes=4, shards_held=2)
+    assert both.refresh_received == 0 and both.replicas == 4
+    # a round's bytes on a 100 Mbit/s link: half of them each way, both directions at once
+    assert t.seconds(t.total, 100) == pytest.approx(t.total / 2 * 8 / 100e6)
+
+
+def test_cli_prints_the_network_plan():
+    result = _cli("--preset", "spes-7b", "--nodes", "16", "--link-mbit", "50")
+    assert result.exit_code == 0, result.stderr
+    assert "network per round (100 steps): 16 nodes, 4 holders a shard" in result.stdout
+    assert "on a 50 Mbit/s link each way" in result.stdout
+    data = json.loads(_cli("--preset", "spes-7b", "--nodes", "16", "--link-mbit", "50", "--json").stdout)
+    expected = round_traffic(load_preset("spes-7b"), 16)
+    assert data["network"]["total"] == pytest.approx(expected.total)
+    assert data["network"]["allreduce_seconds"] == pytest.approx(expected.seconds(expected.allreduce, 50))
 
 
 # ---------------------------------------------------------------- measured on a CPU

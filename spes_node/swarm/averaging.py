@@ -43,7 +43,8 @@ from typing import Any, NamedTuple
 import torch
 from hivemind import DHT
 
-from spes_node.swarm.codecs import WIRE_BYTES, wire_compression
+from spes_node.config import WIRE_BYTES
+from spes_node.swarm.codecs import wire_compression
 from spes_node.swarm.robust import BanList, GroupOutcome, RobustAverager, RobustPolicy
 from spes_node.swarm.swarm_key import SwarmKey
 

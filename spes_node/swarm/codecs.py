@@ -100,9 +100,6 @@ WIRE_CODECS: dict[str, CompressionBase] = {
 }
 """`swarm.wire_compression` -> codec. uint8 is hivemind's uniform quantisation (meant for weights), int8 ours."""
 
-WIRE_BYTES = {"none": 4, "fp16": 2, "uint8": 1, "int8": 1}
-"""Approximate bytes per value on the wire, for estimates (the all-reduce counts the real bytes)."""
-
 
 def wire_compression(name: str) -> CompressionBase:
     return WIRE_CODECS[name]
