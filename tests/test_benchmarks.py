@@ -45,7 +45,7 @@ def test_analytic_spes_breakdown():
 
 
 def test_analytic_refresh_moves_fp16_weights_or_int8_updates():
-    updates = {"num_shards": 2, "average": "updates", "wire_compression": "int8"}
+    updates = {"num_shards": 2, "average": "updates", "wire_compression": "int8", "refresh_every": 1}
     whole = load_preset("small").replace(swarm={**updates, "refresh_by_updates": False})
     counts = analytic_param_count(whole.model)
     a = analytic(whole, num_nodes=4)
@@ -61,10 +61,8 @@ def test_analytic_refresh_moves_fp16_weights_or_int8_updates():
 
 
 def test_the_steady_state_is_whole_refresh_periods_after_the_first_refresh():
-    assert list(steady_rounds(1, 4)) == [
-        2,
-        3,
-    ]  # windows 1-3 are complete; round 1's refresh takes whole shards
+    # windows 1-3 are complete; round 1's refresh takes whole shards
+    assert list(steady_rounds(1, 4)) == [2, 3]
     assert list(steady_rounds(2, 5)) == [3, 4]  # round 2 takes whole shards; 3 (no refresh) and 4 (an update)
     assert list(steady_rounds(2, 6)) == [3, 4], "round 5 alone is half a period"
     with pytest.raises(ValueError, match="no whole refresh period"):

@@ -224,7 +224,7 @@ def test_cli_table_and_json():
 
 
 def test_the_network_plan_counts_each_kind_from_the_parameter_counts():
-    cfg = load_preset("small").replace(swarm={"num_shards": 2, "replication_target": 2})
+    cfg = load_preset("small").replace(swarm={"num_shards": 2, "replication_target": 2, "refresh_every": 1})
     counts = param_counts(cfg.model, 2)
     t = round_traffic(cfg)
     assert (t.nodes, t.replicas) == (4, 2), "enough nodes for 2 holders of each of 2 shards"
