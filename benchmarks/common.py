@@ -129,15 +129,12 @@ def goal_entry(key: str, value: float | None) -> dict[str, Any]:
 
 
 def merge_latest(values: dict[str, Any]) -> None:
-    """Merge one benchmark's run into `latest.json`, keeping every other key: `values` replace theirs, and the goal
-    record of each headline among them is made again."""
+    """Merge one benchmark's run into `latest.json`, keeping every other key: `values` replace theirs, and every
+    headline's goal record is made again from `GOALS` and the headline's value in the document."""
     path = RESULTS_DIR / "latest.json"
     document = json.loads(path.read_text()) if path.is_file() else {}
     document.update(values)
-    goals = document.setdefault("goals", {})
-    for key, value in values.items():
-        if key in GOALS:
-            goals[key] = goal_entry(key, value)
+    document["goals"] = {key: goal_entry(key, document.get(key)) for key in GOALS}
     path.write_text(json.dumps(document, indent=1) + "\n")
 
 

@@ -10,6 +10,8 @@ setting's seeds differ only by the seed. Settings:
 - spes_4x1_no_merge: spes_4x1 without the expert-merging warm-up;
 - spes_4x1_int8: spes_4x1 with every pseudo-gradient on an emulated int8 wire (with error feedback);
 - spes_4x1_refresh2: spes_4x1 with the frozen experts refreshed every other round (`swarm.refresh_every` = 2);
+- spes_4x1_overlap: spes_4x1 with `swarm.overlap`: training goes on during a round, whose result lands 5 steps (a
+  quarter of H) into the next round and is applied with the progress made since;
 - spes_4x1_16e: spes_4x1 on the model with twice the experts, whose all-experts node does not fit the per-node
   memory that diloco uses (equal per-node memory; measured from the tensors).
 The final global model of each run is exported as a Hugging Face checkpoint and evaluated by `spes-node eval` on
@@ -69,6 +71,7 @@ SETTINGS = {
         "spes_4x1_no_merge",
         "spes_4x1_int8",
         "spes_4x1_refresh2",
+        "spes_4x1_overlap",
         "spes_4x1_16e",
     ],
     "headline": "spes_4x1",
@@ -92,6 +95,13 @@ SETUPS = {
             1,
             refresh_every=2,
             description="spes_4x1, frozen experts refreshed every 2 rounds",
+        ),
+        Setting(
+            "spes_4x1_overlap",
+            4,
+            1,
+            overlap_steps=5,
+            description="spes_4x1, overlap: a round lands 5 steps late",
         ),
         Setting("spes_4x1_16e", 4, 1, num_experts=16, description="spes_4x1 with 2x the experts"),
     )

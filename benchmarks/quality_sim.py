@@ -62,6 +62,9 @@ class Setting:
     """Experts per layer, when not the preset's."""
     refresh_every: int = 1
     """Frozen copies refreshed every this many rounds (`swarm.refresh_every`)."""
+    overlap_steps: int = 0
+    """`swarm.overlap`: a round's result lands this many local steps into the next round, applied with the local
+    progress made since (0: training waits for the round, as published). fp32 wire only."""
     description: str = ""
 
     @property
@@ -250,6 +253,11 @@ class SimSwarm:
             "shared": {k: v.detach().clone() for k, v in self.nodes[0].group("shared").items()},
             "shard": {node.index: _clone(node.group("shard")) for node in self.nodes},
         }
+        if setting.overlap_steps and setting.wire != "fp32":
+            raise ValueError(f"{setting.name}: overlap is simulated with the fp32 wire only")
+        self.pending: list[tuple[SimNode, str, dict, dict]] | None = None
+        """With overlap, the round in flight: (node, group, its weights when the round began, the outer step's
+        result on them); `_land` adds the progress made since."""
         self.round = 0
         self.log = RunLog()
         self.int8_errors: list[tuple[float, float]] = []
@@ -259,22 +267,60 @@ class SimSwarm:
         return [node for node in self.nodes if node.shard == shard]
 
     def train_round(self) -> tuple[float, int]:
-        """Every node's `sync_steps` local steps; (mean training loss, tokens)."""
+        """Every node's `sync_steps` local steps, the round in flight landing after `overlap_steps` of them;
+        (mean training loss, tokens)."""
+        H = self.cfg.swarm.sync_steps
+        first = min(self.setting.overlap_steps, H) if self.pending is not None else 0
+        losses, tokens = self._steps(first)
+        if self.pending is not None:
+            self._land()
+        more, more_tokens = self._steps(H - first)
+        losses += more
+        return sum(losses) / len(losses), tokens + more_tokens
+
+    def _steps(self, count: int) -> tuple[list[float], int]:
         losses, tokens = [], 0
         for node in self.nodes:
-            for _ in range(self.cfg.swarm.sync_steps):
+            for _ in range(count):
                 stats = node.trainer.train_step()
                 losses.append(stats.ce_loss)
                 tokens += stats.tokens
-        return sum(losses) / len(losses), tokens
+        return losses, tokens
 
     @torch.no_grad()
     def sync(self) -> None:
+        """The round: the all-reduces, then (at once, or with overlap when the round lands) the refresh and the
+        merge warm-up."""
+        if self.setting.overlap_steps:
+            self.pending = []
         self._average("shared", self.nodes, self.start["shared"])
         for shard in range(self.setting.num_shards):
             holders = self.holders(shard)
             self._average("shard", holders, self.start["shard"][holders[0].index])
         self.round += 1
+        if self.pending is None:
+            self._after_round()
+
+    @torch.no_grad()
+    def land(self) -> None:
+        """Apply the round in flight now, if any (the end of training)."""
+        if self.pending is not None:
+            self._land()
+
+    @torch.no_grad()
+    def _land(self) -> None:
+        for node, kind, before, result in self.pending:
+            for name, tensor in node.group(kind).items():
+                tensor.copy_(result[name] + (tensor - before[name]))
+        self.pending = None
+        self._after_round()
+
+    def _after_round(self) -> None:
+        self._refresh_and_merge()
+        self.start["shared"] = _clone(self.nodes[0].group("shared"))
+        self.start["shard"] = {node.index: _clone(node.group("shard")) for node in self.nodes}
+
+    def _refresh_and_merge(self) -> None:
         sync_step = self.round * self.cfg.swarm.sync_steps
         swarm = self.cfg.swarm
         merging = self.setting.merge and merge_due(
@@ -286,8 +332,6 @@ class SimSwarm:
             for node in self.nodes:
                 self._merge(node, sync_step)
             self.log.merges += 1
-        self.start["shared"] = _clone(self.nodes[0].group("shared"))
-        self.start["shard"] = {node.index: _clone(node.group("shard")) for node in self.nodes}
 
     def _average(self, kind: str, members: list[SimNode], start: dict[str, torch.Tensor]) -> None:
         locals_ = [m.group(kind) for m in members]
@@ -311,7 +355,12 @@ class SimSwarm:
         else:
             averaged = {name: torch.stack([local[name] for local in locals_]).mean(0) for name in start}
         for m, local in zip(members, locals_):
-            m.outer[kind].apply(local, averaged)
+            if self.pending is None:
+                m.outer[kind].apply(local, averaged)
+                continue
+            before, result = _clone(local), _clone(local)
+            m.outer[kind].apply(result, averaged)
+            self.pending.append((m, kind, before, result))
 
     def _refresh(self) -> None:
         """Every node's frozen copy of shard j becomes the weights of j's (first) holder."""
@@ -338,10 +387,14 @@ class SimSwarm:
             )
 
     def global_weights(self) -> dict[str, torch.Tensor]:
-        """The swarm's model: shared parameters (identical on every node after a round), each shard from a holder."""
+        """The swarm's model: shared parameters (identical on every node after a round), each shard from a holder;
+        with a round in flight, as it lands (the outer step's result, without the progress made since)."""
         out = {k: v.detach().clone() for k, v in shared_parameters(self.nodes[0].model).items()}
         for shard in range(self.setting.num_shards):
             out.update(_clone(shard_tensors(self.holders(shard)[0].model, shard)))
+        for node, kind, _, result in self.pending or []:
+            if node is (self.nodes[0] if kind == "shared" else self.holders(node.shard)[0]):
+                out.update(_clone(result))
         return out
 
 
@@ -372,6 +425,8 @@ def train_setting(
         loss, got = swarm.train_round()
         tokens += got
         swarm.sync()
+        if len(swarm.log.tokens) == steps // H - 1:
+            swarm.land()  # the last round lands before training ends
         load_dense_state_dict(probe, swarm.global_weights())
         swarm.log.tokens.append(tokens)
         swarm.log.train_loss.append(loss)

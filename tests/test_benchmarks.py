@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import memory
 from benchmarks.bytes_per_round import analytic, steady_rounds
@@ -181,7 +182,15 @@ def test_quality_benchmark_runs_and_writes_its_results(tmp_path, monkeypatch):
         "val_batches": 2,
         "curve_val_batches": 1,
         "heldout": False,
-        "runs": ["centralized", "diloco", "spes_4x1", "spes_4x1_int8", "spes_4x1_refresh2", "spes_4x1_16e"],
+        "runs": [
+            "centralized",
+            "diloco",
+            "spes_4x1",
+            "spes_4x1_int8",
+            "spes_4x1_refresh2",
+            "spes_4x1_overlap",
+            "spes_4x1_16e",
+        ],
     }
     results = quality.run(tmp_path / "work", settings, figure=tmp_path / "curves.png")
 
@@ -269,3 +278,43 @@ def test_host_memory_counts_a_nodes_child_processes():
     finally:
         child.stdin.close()
         child.wait(30)
+
+
+def test_simulated_overlap_applies_the_round_with_the_progress_made_since(tmp_path):
+    from benchmarks.quality_sim import Setting, SimSwarm, initial_weights, reshard, setting_config
+    from spes_node.model.ownership import shared_parameters
+    from spes_node.model.tokenizer import load_tokenizer
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(
+        "".join(json.dumps({"text": "def f(x):\n    return x\n" * (i + 3)}) + "\n" for i in range(40))
+    )
+    base = load_preset("tiny").replace(
+        model={"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_experts": 4, "expert_ffn": 32},
+        data={"source": str(corpus), "val_fraction": 0.2},
+        swarm={"sync_steps": 4, "merge_alpha0": 0.0},
+    )
+    setting = Setting("overlap", 2, 1, merge=False, overlap_steps=2)
+    cfg = setting_config(base, setting, total_batch=4)
+    init = reshard(initial_weights(cfg, 0), cfg.model.num_layers, 2)
+    swarm = SimSwarm(cfg, setting, init, load_tokenizer(cfg.data.tokenizer), seed=0)
+    swarm.train_round()
+    swarm.sync()
+    a, b = swarm.nodes
+    name = next(iter(dict(shared_parameters(a.model))))
+
+    def weight(node):
+        return dict(shared_parameters(node.model))[name].detach().clone()
+
+    # in flight: the nodes keep their own weights, and the swarm's model is their average
+    assert not torch.equal(weight(a), weight(b))
+    averaged = (weight(a) + weight(b)) / 2
+    assert torch.allclose(swarm.global_weights()[name], averaged)
+    before = {node.index: weight(node) for node in swarm.nodes}
+    swarm._steps(2)
+    progress = {node.index: weight(node) - before[node.index] for node in swarm.nodes}
+    assert all(p.abs().max() > 0 for p in progress.values())
+    swarm.land()
+    for node in swarm.nodes:  # landed: the average, plus what the node trained since
+        assert torch.allclose(weight(node), averaged + progress[node.index], atol=1e-6)
+    assert swarm.pending is None
