@@ -117,6 +117,7 @@ def gather(results: dict[str, dict], errors: dict[str, str], seconds: float, loa
             for rate, r in results.get("link_utilisation", {}).get("by_rate", {}).items()
         },
         "throughput_ratio_overlap": get("throughput", "throughput_ratio_overlap"),
+        "throughput_ratio_as_published": get("throughput", "throughput_ratio_as_published"),
         "throughput_raw_tokens_per_s_ratio": get("throughput", "raw_tokens_per_s_ratio"),
         "val_loss_ratio_std": get("quality", "val_loss_ratio_std"),
         "val_loss_ratios": get("quality", "ratios"),

@@ -12,6 +12,9 @@ this is the node's tokens/s divided by what the same loop would do at that load 
 background all-reduce also slows the steps on a CPU (it competes for the same cores, as it would not with a GPU);
 that slowdown is not in the share-of-time ratio, and the mean step time of each run is reported beside it.
 
+The headline is the run with the preset's own `swarm.overlap` (as published when it is off); both are reported,
+"as published" and "overlap".
+
 `--rate-mbit R` runs every node in its own network namespace behind a link shaped to R Mbit/s each way
 (`benchmarks/netns.py`, tbf on each node's veth pair, as in the link benchmark), so that the sync's transfers take
 the time they would on a home connection; results go to `results/throughput_<R>mbit.json`. Without it the nodes
@@ -26,7 +29,7 @@ import logging
 import time
 from pathlib import Path
 
-from benchmarks.common import LoadMonitor, emit, table, write_result
+from benchmarks.common import LoadMonitor, emit, merge_latest, table, write_result
 from benchmarks.swarm import BenchSwarm, NodeRun
 from spes_node.config import SpesConfig, load_preset
 
@@ -79,7 +82,9 @@ def config(settings: dict, overlap: bool) -> SpesConfig:
     )
 
 
-def run(workdir: Path, settings: dict | None = None) -> dict:
+def run(workdir: Path, settings: dict | None = None, write_latest: bool = False) -> dict:
+    """Run the variants and write the results; `write_latest`: merge the headlines into `latest.json` too (a run on
+    its own; `python -m benchmarks` gathers them itself)."""
     settings = {**SETTINGS, **(settings or {})}
     variants = {}
     rate = settings["rate_mbit"]
@@ -106,8 +111,11 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
     share = variants["no_sync"]["compute_share"]
     base = variants["no_sync"]["tokens_per_s_per_node"]
     whole_base = variants["no_sync"]["whole_run_tokens_per_s_per_node"]
+    default = "overlap" if load_preset(settings["preset"]).swarm.overlap else "sync"
     results = {
-        "throughput_ratio": variants["sync"]["compute_share"] / share,
+        "throughput_ratio": variants[default]["compute_share"] / share,
+        "headline_variant": default,
+        "throughput_ratio_as_published": variants["sync"]["compute_share"] / share,
         "throughput_ratio_overlap": (
             variants["overlap"]["compute_share"] / share if "overlap" in variants else None
         ),
@@ -154,6 +162,9 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
     write_result(
         f"throughput_{rate:g}mbit" if rate else "throughput", settings, results, {"per_variant": loads}
     )
+    if write_latest:
+        keys = ("throughput_ratio", "throughput_ratio_as_published", "throughput_ratio_overlap")
+        merge_latest({**{key: results[key] for key in keys}, "throughput_link_mbit": rate})
     return results
 
 
@@ -173,9 +184,14 @@ def main() -> None:
         "--rate-mbit", type=float, default=None, help="shape each node's link (namespaces, root)"
     )
     parser.add_argument("--rounds", type=int, default=SETTINGS["rounds"])
+    parser.add_argument("--no-latest", action="store_true", help="leave latest.json alone")
     args = parser.parse_args()
     started = time.time()
-    run(Path(args.workdir), {"rate_mbit": args.rate_mbit, "rounds": args.rounds})
+    run(
+        Path(args.workdir),
+        {"rate_mbit": args.rate_mbit, "rounds": args.rounds},
+        write_latest=not args.no_latest,
+    )
     emit(f"throughput benchmark took {time.time() - started:.0f}s")
 
 
