@@ -157,7 +157,16 @@ class Swarm:
         try:
             return self.procs[name].wait(timeout)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"{name} did not exit within {timeout}s:\n{self.log(name)[-3000:]}")
+            # the node prints every thread's stack on SIGUSR1: where it is stuck goes into the failure
+            self.procs[name].send_signal(signal.SIGUSR1)
+            marker = "Current thread"
+            deadline = time.monotonic() + 10
+            while marker not in self.log(name) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            log = self.log(name)
+            start = log.find("Thread 0x")
+            before, stacks = (log[:start], log[start:]) if start >= 0 else (log, "(no stacks printed)")
+            pytest.fail(f"{name} did not exit within {timeout}s:\n{before[-3000:]}\n{stacks[-12000:]}")
 
     def summary(self, name: str) -> dict:
         """What the node wrote beside its checkpoints when it exited."""

@@ -5,6 +5,7 @@ The loop reads like the method: H local steps, then one `sync()` (see `SpesRound
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -189,6 +190,8 @@ class Node:
 
         signal.signal(signal.SIGINT, handler)
         signal.signal(signal.SIGTERM, handler)
+        # `kill -USR1 <pid>`: every thread's stack on stderr, for a node that seems stuck; it keeps running
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     def startup(self) -> None:
         """The phases of joining, each one step further from this machine towards the swarm."""
