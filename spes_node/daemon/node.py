@@ -191,7 +191,14 @@ class Node:
         signal.signal(signal.SIGINT, handler)
         signal.signal(signal.SIGTERM, handler)
         # `kill -USR1 <pid>`: every thread's stack on stderr, for a node that seems stuck; it keeps running
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        try:
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
+        except (
+            ValueError,
+            OSError,
+            AttributeError,
+        ):  # io.UnsupportedOperation: no file behind stderr (in-process)
+            logger.debug("stderr is no file: SIGUSR1 prints no stacks")
 
     def startup(self) -> None:
         """The phases of joining, each one step further from this machine towards the swarm."""
