@@ -5,12 +5,18 @@ pipe that carries bans)."""
 from __future__ import annotations
 
 import inspect
+import multiprocessing as mp
+import os
+import signal
 from pathlib import Path
 
+import hivemind
 import pytest
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.partition import TensorPartReducer
 from hivemind.p2p import P2P
+from hivemind.utils.mpfuture import MPFuture
+from hivemind_locks import renew_wedged_hivemind_locks
 
 from spes_node.procs import NodeDHT, descendants
 from spes_node.swarm import relay
@@ -68,3 +74,39 @@ def test_bans_travel_on_the_averagers_command_pipe():
     run_internal = inspect.getsource(DecentralizedAverager._run_internal)
     assert "method, args, kwargs = self._inner_pipe.recv()" in run_internal
     assert "getattr(self, method)(*args, **kwargs)" in run_internal
+
+
+def _hold_until_killed(lock, held) -> None:
+    lock.acquire()
+    held.set()
+    signal.pause()
+
+
+@pytest.mark.swarm
+def test_a_fork_killed_holding_the_mpfuture_lock_wedges_it_until_the_backend_is_reset():
+    # what an attack or fault test that kills an averager forked from the test worker can leave behind
+    fork = mp.get_context("fork")
+    held = fork.Event()
+    holder = fork.Process(target=_hold_until_killed, args=(MPFuture._update_lock, held), daemon=True)
+    holder.start()
+    assert held.wait(60)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join(60)
+    assert holder.exitcode == -signal.SIGKILL
+    # nobody else holds it, and nobody ever will release it: every later fork's result would wait on it
+    assert not MPFuture._update_lock.acquire(block=False)
+
+    assert renew_wedged_hivemind_locks(wait_s=1.0) == ["MPFuture._update_lock"]
+    assert renew_wedged_hivemind_locks(wait_s=1.0) == []
+    # after the reset a forked process delivers its result again, and a DHT (a fork that reports ready) starts
+    future = MPFuture()
+    sender = fork.Process(target=future.set_result, args=(42,), daemon=True)
+    sender.start()
+    assert future.result(timeout=120) == 42
+    sender.join(60)
+    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=False)
+    dht.run_in_background(await_ready=False)
+    try:
+        dht.wait_until_ready(timeout=120)
+    finally:
+        dht.shutdown()
