@@ -22,6 +22,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 
 from spes_node import __version__
 from spes_node.aio import LoopThread
+from spes_node.allocator import keep_large_blocks_mapped
 from spes_node.config import SpesConfig
 from spes_node.daemon.capacity import ShardRequest, shard_capacity
 from spes_node.daemon.checkpoint import (
@@ -202,6 +203,7 @@ class Node:
 
     def startup(self) -> None:
         """The phases of joining, each one step further from this machine towards the swarm."""
+        keep_large_blocks_mapped()  # before the helpers are forked and the model is built
         identity_path = self._prepare_local_files()
         self._join_dht(identity_path)
         checkpoint = self._load_checkpoint()
