@@ -7,6 +7,7 @@ import re
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,7 +107,11 @@ def test_a_node_restarted_behind_the_swarm_takes_its_shard_from_a_live_replica(m
     # node trains on between the two downloads: a loaded run saw the shard one round newer)
     later = [
         live,
-        *(_checkpoint_at(swarm, "live", s) for s in _steps(swarm, "live") if step < s <= step + 50),
+        *(
+            _checkpoint_at(swarm, "live", s)
+            for s in _checkpoint_paths(swarm, "live")
+            if step < s <= step + 50
+        ),
     ]
     for name, tensor in live.tensors.items():
         if ".mlp.shards." not in name:
@@ -118,8 +123,9 @@ def test_a_node_restarted_behind_the_swarm_takes_its_shard_from_a_live_replica(m
     print(f"\ncaught up at step {step}: its shard is the live node's of step {matches[0]}")
 
 
-def _steps(swarm: Swarm, name: str) -> list[int]:
-    return [int(p.name.rsplit("-", 1)[-1]) for p in CheckpointManager(swarm.tmp / name).list()]
+def _checkpoint_paths(swarm: Swarm, name: str) -> dict[int, Path]:
+    """The node's complete checkpoints by step."""
+    return {int(p.name.rsplit("-", 1)[-1]): p for p in CheckpointManager(swarm.tmp / name).list()}
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -128,10 +134,10 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _checkpoint_at(swarm: Swarm, name: str, step: int):
     """The node's checkpoint of `step` (loaded through the manager, from a copy of that checkpoint alone)."""
-    paths = [p for p in CheckpointManager(swarm.tmp / name).list() if p.name.endswith(f"{step:08d}")]
-    assert paths, f"{name} has no checkpoint at step {step}"
+    path = _checkpoint_paths(swarm, name).get(step)
+    assert path is not None, f"{name} has no checkpoint at step {step}"
     alone = swarm.tmp / f"{name}-step-{step}"
-    shutil.copytree(paths[0], alone / paths[0].name)
+    shutil.copytree(path, alone / path.name)
     checkpoint = CheckpointManager(alone).latest()
     assert checkpoint is not None and checkpoint.step == step
     return checkpoint

@@ -191,14 +191,11 @@ class Node:
 
         signal.signal(signal.SIGINT, handler)
         signal.signal(signal.SIGTERM, handler)
-        # `kill -USR1 <pid>`: every thread's stack on stderr, for a node that seems stuck; it keeps running
+        # `kill -USR1 <pid>`: every thread's stack on stderr, for a node that seems stuck; it keeps running.
+        # Refused (io.UnsupportedOperation, an OSError) where no file is behind stderr, as in-process under a runner
         try:
             faulthandler.register(signal.SIGUSR1, all_threads=True)
-        except (
-            ValueError,
-            OSError,
-            AttributeError,
-        ):  # io.UnsupportedOperation: no file behind stderr (in-process)
+        except (ValueError, OSError, AttributeError):
             logger.debug("stderr is no file: SIGUSR1 prints no stacks")
 
     def startup(self) -> None:
