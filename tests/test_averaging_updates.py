@@ -50,9 +50,14 @@ def shutdown(group: list[GroupAverager]) -> None:
         averager.shutdown()
 
 
+class Lost(Exception):
+    """A group of every member formed, but some parts of the vector were not averaged: a member lost part of the
+    all-reduce (hivemind: "Averaging: received 94.2% results"), and each kept its local values there."""
+
+
 def one_round(group, inputs, gathers=None, anchors=None, tries: int = 3):
     """Every member steps at once; returns their (result, averaged). A try in which no group formed is repeated
-    (nothing was sent); a group that formed must hold every member."""
+    (nothing was sent); a group that formed must hold every member, and raises `Lost` if parts failed."""
     for _ in range(tries):
         handles = [
             averager.step(
@@ -68,6 +73,8 @@ def one_round(group, inputs, gathers=None, anchors=None, tries: int = 3):
             continue
         for result, averaged in outcomes:
             assert averaged is not None and result.group_size == len(group), result
+        if any(result.failed_reducers for result, _ in outcomes):
+            raise Lost([(result.failed_reducers, result.error) for result, _ in outcomes])
         return outcomes
     pytest.fail(f"no group formed in {tries} tries")
 
@@ -92,7 +99,23 @@ def flat(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
 def run_updates(dhts, compression: str, error_feedback: bool, rounds: int):
     """Two members average `rounds` pseudo-gradients from a shared anchor (plain outer step); returns the
     relative error of the summed averaged updates against the exact sum, the averagers' residuals at the end
-    (scaled as they are), and each round's results."""
+    (scaled as they are), and each round's results.
+
+    Now and then a member loses part of an all-reduce (`Lost`; the cause is in hivemind's transport, not found
+    yet). The members' error-feedback residuals then hold that round's rounding, so the run starts over with new
+    averagers, saying so, up to twice. Not on fresh DHTs: a check that started over on new ones lost a part of
+    their first all-reduce there too."""
+    for attempt in range(3):
+        try:
+            return _run_updates(dhts, compression, error_feedback, rounds)
+        except Lost as e:
+            if attempt == 2:
+                raise
+            print(f"\n{compression}: parts of a round were not averaged ({e}): new averagers, once more")
+    raise AssertionError("unreachable")
+
+
+def _run_updates(dhts, compression: str, error_feedback: bool, rounds: int):
     group = averagers(dhts, 2, compression=compression, average="updates", error_feedback=error_feedback)
     try:
         generator = torch.Generator().manual_seed(0)
