@@ -740,6 +740,7 @@ class Node:
         Only the checkpoint is local; every step that talks to the DHT or p2pd is bounded, so that a node whose
         helpers died first (a signal to the whole cgroup) still exits in time."""
         self.stop_event.set()
+        started = time.monotonic()
         leaving = self.dht is not None and self.sync is not None
         if leaving:
             self.status.state = "leaving"
@@ -780,6 +781,10 @@ class Node:
                     f"killing helper process {helper.pid} ({type(helper).__name__}), which did not stop"
                 )
                 kill_tree(helper.pid)
+        logger.info(
+            f"stopped: final checkpoint {deadline - SHUTDOWN_S - started:.1f}s, network "
+            f"{time.monotonic() - deadline + SHUTDOWN_S:.1f}s"
+        )
 
     # ------------------------------------------------------------------ training
 
