@@ -16,7 +16,10 @@ It is compared with:
   memory, so the measured figure includes it: the ratio is an upper bound of what a GPU node would show.
 
 Before starting, the plan's need for the requested number of nodes is checked against the memory available; nodes
-that do not fit are not started, and the result says so (with two nodes on a 24 GB machine, that is the finding).
+that do not fit are not started, and the result says so, unless `--start-anyway`: the plan is an upper bound, and
+whether two nodes fit on a 24 GB machine is then measured. The nodes' processes are made the kernel's first choice
+for the OOM killer (`oom_score_adj` 1000), so a run that does not fit ends a node, which the result records with
+the lowest memory available seen during the run.
 """
 
 from __future__ import annotations
@@ -119,6 +122,20 @@ def tree_pss_kib(root: int, tree: dict[int, tuple[str, int]] | None = None) -> t
     return sum(pss for _, pss in tree.values()), tree.get(root, ("", 0))[1]
 
 
+def _oom_kills() -> int:
+    """The kernel's count of OOM kills since boot (/proc/vmstat)."""
+    match = re.search(r"^oom_kill (\d+)$", Path("/proc/vmstat").read_text(), re.M)
+    return int(match.group(1)) if match else 0
+
+
+def _first_for_oom_killer(processes: dict[int, tuple[str, int]]) -> None:
+    for pid in processes:
+        try:
+            Path(f"/proc/{pid}/oom_score_adj").write_text("1000")
+        except OSError:
+            pass  # gone, or not ours to change
+
+
 def _startup_seconds(timeline: dict) -> float | None:
     startup = timeline.get("startup", {})
     return startup["end"] - startup["start"] if "end" in startup and "start" in startup else None
@@ -147,7 +164,7 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
         "mem_available_bytes": available,
         "nodes_fit_by_plan": need * settings["nodes"] <= available,
     }
-    if not results["nodes_fit_by_plan"]:
+    if not results["nodes_fit_by_plan"] and not settings.get("start_anyway"):
         results["finding"] = (
             f"{settings['nodes']} nodes need {need * settings['nodes'] / GIB:.1f} GiB by the plan; "
             f"{available / GIB:.1f} GiB is available: not started"
@@ -160,6 +177,7 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
     start = time.time()
     results["started_at"] = time.strftime("%H:%M:%S")
     failure: list[BaseException] = []
+    lowest_available, oom_kills = available, _oom_kills()
 
     def go():
         try:
@@ -170,9 +188,11 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
     thread = threading.Thread(target=go, daemon=True)
     thread.start()
     while thread.is_alive():
+        lowest_available = min(lowest_available, _mem_available())
         for i, proc in enumerate(list(swarm.procs)):
             if proc.poll() is None:
                 processes = tree_pss(proc.pid)
+                _first_for_oom_killer(processes)
                 tree, own = tree_pss_kib(proc.pid, processes)
                 timelines[i].append([round(time.time() - start, 1), tree >> 10, own >> 10])
                 if tree > peaks[i]["tree_kib"]:
@@ -184,10 +204,18 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
                     )
                 peaks[i]["main_kib"] = max(peaks[i]["main_kib"], own)
         thread.join(settings["sample_interval_s"])
+    results["lowest_mem_available_bytes"] = lowest_available
+    results["oom_kills"] = _oom_kills() - oom_kills
     if failure:
-        raise failure[0]
+        if not results["oom_kills"]:
+            raise failure[0]
+        results["finding"] = (
+            f"the kernel's OOM killer ended {results['oom_kills']} process(es) of the nodes (the other nodes were "
+            f"then stopped), with {lowest_available / GIB:.1f} GiB the lowest available: {settings['nodes']} "
+            "nodes do not fit"
+        )
     for i, node in enumerate(swarm.nodes):
-        rounds = node.summary.get("rounds", [])
+        rounds = node.summary.get("rounds", []) if node.summary else []
         peaks[i].update(
             rounds=len(rounds),
             group_sizes=[r["shared_group"] for r in rounds],
@@ -206,9 +234,12 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=SETTINGS["nodes"])
     parser.add_argument("--rounds", type=int, default=SETTINGS["rounds"])
     parser.add_argument("--workdir", default="runs/benchmarks/host_memory")
+    parser.add_argument(
+        "--start-anyway", action="store_true", help="start the nodes even where the plan says they do not fit"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = {**SETTINGS, "nodes": args.nodes, "rounds": args.rounds}
+    settings = {**SETTINGS, "nodes": args.nodes, "rounds": args.rounds, "start_anyway": args.start_anyway}
     with LoadMonitor() as load:
         results = run(Path(args.workdir), settings)
     emit(
@@ -221,6 +252,11 @@ def main() -> None:
                 ],
                 ["plan: host need of a CPU node", results["plan_host_need_bytes"] / GIB],
                 ["memory available at start", results["mem_available_bytes"] / GIB],
+                *(
+                    [["memory available, lowest during the run", results["lowest_mem_available_bytes"] / GIB]]
+                    if "lowest_mem_available_bytes" in results
+                    else []
+                ),
             ],
             title=f"host memory ({settings['preset']}, {settings['nodes']} node(s), {settings['rounds']} rounds)",
         )
