@@ -12,6 +12,7 @@ import yaml
 from spes_node.cli import main
 from spes_node.config import list_presets
 from spes_node.daemon.metrics import NodeMetrics
+from spes_node.daemon.node import SHUTDOWN_S
 from spes_node.swarm.identity import peer_id_of
 
 DOCKER = Path(__file__).resolve().parent.parent / "docker"
@@ -49,6 +50,9 @@ def test_compose_has_the_swarm_services(compose):
     assert set(SPES_SERVICES) <= set(services)
     assert services["volunteer"]["deploy"]["replicas"] >= 2
     assert "ports" not in services["volunteer"], "fixed host ports would break --scale volunteer=N"
+    # docker's default grace of 10 s would SIGKILL a stopping node before its final checkpoint and withdrawal
+    grace = services["volunteer"]["stop_grace_period"]
+    assert grace.endswith("m") and int(grace[:-1]) * 60 >= 6 * SHUTDOWN_S, grace
     for name in SPES_SERVICES:
         assert services[name]["image"] == "spes-node:latest"
         assert services[name]["build"]["dockerfile"] == "docker/Dockerfile"
