@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import multiprocessing as mp
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,50 +115,73 @@ def test_a_fork_killed_holding_the_mpfuture_lock_wedges_it_until_the_backend_is_
         dht.shutdown()
 
 
-# A request whose sender exits before the DHT reads it: the DHT process (stopped meanwhile, so that it cannot read it
-# in time) then fails to fetch the request's pipe end from the sender. Run in a fresh interpreter, which owns its
-# logging and the forks' locks.
-_DEAD_SENDER = """
-import logging, multiprocessing as mp, os, signal, sys
-import hivemind
+# Each race runs in a fresh interpreter, which owns its logging and its forks' locks: first with the filter taken
+# off (hivemind's own behaviour, which the filter is there for), then with it. The helper processes are forks, which
+# take the loggers' filters as they are when forked; a marker line on stderr separates the two.
+_PHASES = """
+import logging, sys
 from spes_node.logs import setup_logging
 
-setup_logging("INFO")
-if sys.argv[1] == "unfiltered":
-    logging.getLogger("hivemind.dht.dht").filters.clear()
-else:
-    logging.getLogger("hivemind.dht.dht").setLevel(logging.DEBUG)
-dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+def phases(logger_name, scenario):
+    for phase in ("unfiltered", "filtered"):
+        setup_logging("INFO")
+        logger = logging.getLogger(logger_name)
+        if phase == "unfiltered":
+            logger.filters.clear()
+        else:
+            logger.setLevel(logging.DEBUG)
+        print("=== " + phase, file=sys.stderr, flush=True)
+        scenario()
+"""
 
-def send_and_exit():
-    dht.get("key", return_future=True)
-    os._exit(0)
 
-os.kill(dht.pid, signal.SIGSTOP)
-sender = mp.get_context("fork").Process(target=send_and_exit)
-sender.start()
-sender.join(120)
-os.kill(dht.pid, signal.SIGCONT)
-# the pipe is read in order: once this is answered, the dead sender's request was read before it
-dht.get("key", return_future=True).result(timeout=120)
-print("answered", sender.exitcode, file=sys.stderr, flush=True)
-dht.shutdown()
+def _run_phases(script: str) -> dict[str, str]:
+    done = subprocess.run(
+        [sys.executable, "-c", _PHASES + script], capture_output=True, text=True, timeout=420
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    _, unfiltered, filtered = re.split(r"^=== (?:un)?filtered$", done.stderr, flags=re.M)
+    return {"unfiltered": unfiltered, "filtered": filtered}
+
+
+# A request whose sender exits before the DHT reads it: the DHT process (stopped meanwhile, so that it cannot read it
+# in time) then fails to fetch the request's pipe end from the sender.
+_DEAD_SENDER = """
+import multiprocessing as mp, os, signal
+import hivemind
+
+def scenario():
+    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+
+    def send_and_exit():
+        dht.get("key", return_future=True)
+        os._exit(0)
+
+    os.kill(dht.pid, signal.SIGSTOP)
+    sender = mp.get_context("fork").Process(target=send_and_exit)
+    sender.start()
+    sender.join(120)
+    os.kill(dht.pid, signal.SIGCONT)
+    # the pipe is read in order: once this is answered, the dead sender's request was read before it
+    dht.get("key", return_future=True).result(timeout=120)
+    print("answered", sender.exitcode, file=sys.stderr, flush=True)
+    dht.shutdown()
+
+phases("hivemind.dht.dht", scenario)
 """
 
 
 @pytest.mark.swarm
-@pytest.mark.parametrize("mode", ["unfiltered", "filtered"])
-def test_a_request_from_an_exited_process_costs_the_dht_one_debug_line_not_a_traceback(mode):
+def test_a_request_from_an_exited_process_costs_the_dht_one_debug_line_not_a_traceback():
     # what an averager shut down mid-matchmaking leaves in its node's DHT pipe when the node stops or moves shards
-    done = subprocess.run(
-        [sys.executable, "-c", _DEAD_SENDER, mode], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0 and "answered 0" in done.stderr, done.stderr[-3000:]
-    if mode == "unfiltered":  # hivemind's own behaviour, which the filter is there for
-        assert "Traceback" in done.stderr and "resource_sharer" in done.stderr, done.stderr[-3000:]
-    else:
-        assert "Traceback" not in done.stderr, done.stderr[-3000:]
-        assert "dropped a request from a process that has exited" in done.stderr, done.stderr[-3000:]
+    out = _run_phases(_DEAD_SENDER)
+    for phase, text in out.items():
+        assert "answered 0" in text, (phase, text[-3000:])
+    assert "Traceback" in out["unfiltered"] and "resource_sharer" in out["unfiltered"], out["unfiltered"][
+        -3000:
+    ]
+    assert "Traceback" not in out["filtered"], out["filtered"][-3000:]
+    assert "dropped a request from a process that has exited" in out["filtered"], out["filtered"][-3000:]
 
 
 # An averaging step cancelled while its all-reduce runs (what a stopping node does to its round): hivemind's averager
@@ -165,48 +189,43 @@ def test_a_request_from_an_exited_process_costs_the_dht_one_debug_line_not_a_tra
 # is stopped from the moment the step is seen all-reducing until it is cancelled, so that the all-reduce cannot end
 # first.
 _CANCEL_MID_ALLREDUCE = """
-import logging, os, signal, sys, time, torch, hivemind
+import os, signal, time, torch, hivemind
 from hivemind.averaging.control import AveragingStage
-from spes_node.logs import setup_logging
 
-setup_logging("INFO")
-if sys.argv[1] == "unfiltered":
-    logging.getLogger("asyncio").filters.clear()
-else:
-    logging.getLogger("asyncio").setLevel(logging.DEBUG)
-first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-second = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), start=True)
-averagers = [
-    hivemind.DecentralizedAverager([torch.randn(8_000_000)], dht, prefix="race", target_group_size=2,
-                                   min_matchmaking_time=2.0, request_timeout=1.0, start=True)
-    for dht in (first, second)
-]
-controls = [a.step(wait=False, require_trigger=False) for a in averagers]
-deadline = time.monotonic() + 120
-while controls[0].stage != AveragingStage.RUNNING_ALLREDUCE:
-    assert time.monotonic() < deadline and not controls[0].done(), controls[0].stage
-    time.sleep(0.001)
-os.kill(averagers[1].pid, signal.SIGSTOP)
-cancelled = controls[0].cancel()
-os.kill(averagers[1].pid, signal.SIGCONT)
-print("cancelled", cancelled, type(controls[1].result(timeout=120)).__name__, file=sys.stderr, flush=True)
-for a in averagers:
-    a.shutdown()
-print("shut down", file=sys.stderr, flush=True)
+def scenario():
+    first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    second = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first.get_visible_maddrs(), start=True)
+    averagers = [
+        hivemind.DecentralizedAverager([torch.randn(8_000_000)], dht, prefix="race", target_group_size=2,
+                                       min_matchmaking_time=2.0, request_timeout=1.0, start=True)
+        for dht in (first, second)
+    ]
+    controls = [a.step(wait=False, require_trigger=False) for a in averagers]
+    deadline = time.monotonic() + 120
+    while controls[0].stage != AveragingStage.RUNNING_ALLREDUCE:
+        assert time.monotonic() < deadline and not controls[0].done(), controls[0].stage
+        time.sleep(0.001)
+    os.kill(averagers[1].pid, signal.SIGSTOP)
+    cancelled = controls[0].cancel()
+    os.kill(averagers[1].pid, signal.SIGCONT)
+    print("cancelled", cancelled, type(controls[1].result(timeout=120)).__name__, file=sys.stderr, flush=True)
+    for averager in averagers:
+        averager.shutdown()
+    for dht in (first, second):
+        dht.shutdown()
+    print("shut down", file=sys.stderr, flush=True)
+
+phases("asyncio", scenario)
 """
 
 
 @pytest.mark.swarm
-@pytest.mark.parametrize("mode", ["unfiltered", "filtered"])
-def test_a_step_cancelled_mid_allreduce_costs_the_averager_one_debug_line_not_a_traceback(mode):
-    done = subprocess.run(
-        [sys.executable, "-c", _CANCEL_MID_ALLREDUCE, mode], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0 and "cancelled True dict" in done.stderr, done.stderr[-3000:]
-    assert "shut down" in done.stderr, done.stderr[-3000:]
-    if mode == "unfiltered":  # hivemind's own behaviour, which the filter is there for
-        assert "Task exception was never retrieved" in done.stderr, done.stderr[-3000:]
-        assert "InvalidStateError" in done.stderr and "Traceback" in done.stderr, done.stderr[-3000:]
-    else:
-        assert "Traceback" not in done.stderr, done.stderr[-3000:]
-        assert "an all-reduce finished after its step was cancelled" in done.stderr, done.stderr[-3000:]
+def test_a_step_cancelled_mid_allreduce_costs_the_averager_one_debug_line_not_a_traceback():
+    out = _run_phases(_CANCEL_MID_ALLREDUCE)
+    for phase, text in out.items():
+        assert "cancelled True dict" in text and "shut down" in text, (phase, text[-3000:])
+    unfiltered, filtered = out["unfiltered"], out["filtered"]
+    assert "Task exception was never retrieved" in unfiltered, unfiltered[-3000:]
+    assert "InvalidStateError" in unfiltered and "Traceback" in unfiltered, unfiltered[-3000:]
+    assert "Traceback" not in filtered, filtered[-3000:]
+    assert "an all-reduce finished after its step was cancelled" in filtered, filtered[-3000:]
