@@ -128,8 +128,10 @@ def _oom_kills() -> int:
     return int(match.group(1)) if match else 0
 
 
-def _first_for_oom_killer(processes: dict[int, tuple[str, int]]) -> None:
-    for pid in processes:
+def _first_for_oom_killer(processes: dict[int, tuple[str, int]], done: set[int]) -> None:
+    """Each process not in `done` (once set, a process keeps its score; a fork inherits it)."""
+    for pid in processes.keys() - done:
+        done.add(pid)
         try:
             Path(f"/proc/{pid}/oom_score_adj").write_text("1000")
         except OSError:
@@ -178,6 +180,7 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
     results["started_at"] = time.strftime("%H:%M:%S")
     failure: list[BaseException] = []
     lowest_available, oom_kills = available, _oom_kills()
+    oom_scored: set[int] = set()
 
     def go():
         try:
@@ -192,7 +195,7 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
         for i, proc in enumerate(list(swarm.procs)):
             if proc.poll() is None:
                 processes = tree_pss(proc.pid)
-                _first_for_oom_killer(processes)
+                _first_for_oom_killer(processes, oom_scored)
                 tree, own = tree_pss_kib(proc.pid, processes)
                 timelines[i].append([round(time.time() - start, 1), tree >> 10, own >> 10])
                 if tree > peaks[i]["tree_kib"]:
@@ -215,7 +218,7 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
             "nodes do not fit"
         )
     for i, node in enumerate(swarm.nodes):
-        rounds = node.summary.get("rounds", []) if node.summary else []
+        rounds = node.summary.get("rounds", [])
         peaks[i].update(
             rounds=len(rounds),
             group_sizes=[r["shared_group"] for r in rounds],

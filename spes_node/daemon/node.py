@@ -751,7 +751,8 @@ class Node:
             self.write_summary()
         # counted from here: a large model's final checkpoint takes longer than the whole budget (spes-1b on a CPU
         # took 9 s), and the record must still be withdrawn after it
-        deadline = time.monotonic() + SHUTDOWN_S
+        checkpointed = time.monotonic()
+        deadline = checkpointed + SHUTDOWN_S
         dht_answers = self.dht is not None and self.dht.is_alive()
         # the averagers and servers stop while the record is withdrawn (neither needs the other): a DHT that
         # hangs costs the withdrawal's bound once, not that plus the averagers' stop
@@ -782,8 +783,8 @@ class Node:
                 )
                 kill_tree(helper.pid)
         logger.info(
-            f"stopped: final checkpoint {deadline - SHUTDOWN_S - started:.1f}s, network "
-            f"{time.monotonic() - deadline + SHUTDOWN_S:.1f}s"
+            f"stopped: final checkpoint {checkpointed - started:.1f}s, network "
+            f"{time.monotonic() - checkpointed:.1f}s"
         )
 
     # ------------------------------------------------------------------ training
