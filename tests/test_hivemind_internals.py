@@ -71,7 +71,7 @@ def test_the_robust_reducer_copies_match_the_hivemind_they_replace():
 
 
 def test_bans_travel_on_the_averagers_command_pipe():
-    # RobustAverager.set_banned sends ("_set_banned", args, kwargs) through hivemind's private pipe; the averager
+    # RobustAverager.set_peers sends ("_set_peers", args, kwargs) through hivemind's private pipe; the averager
     # process receives it and awaits getattr(self, method)(*args, **kwargs)
     assert "self._outer_pipe" in inspect.getsource(DecentralizedAverager.shutdown)
     run_internal = inspect.getsource(DecentralizedAverager._run_internal)

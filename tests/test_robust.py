@@ -10,7 +10,7 @@ from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.averaging.partition import TensorPartContainer
 from hivemind.p2p import PeerID
 
-from spes_node.swarm.robust import BanAwareMatchmaking, CheckedPartContainer, RobustPolicy, robust_mean
+from spes_node.swarm.robust import CheckedPartContainer, RobustPolicy, SpesMatchmaking, robust_mean
 
 
 def test_a_claimed_weight_counts_no_more_than_one_round_of_training():
@@ -49,7 +49,7 @@ def test_a_banned_peer_is_not_asked_to_lead_our_group():
     banned, other = PeerID(b"banned-peer-id-bytes"), PeerID(b"another-peer-id-bytes")
     asked = []
 
-    class Recording(BanAwareMatchmaking):
+    class Recording(SpesMatchmaking):
         def __init__(self):  # no p2p: only the join decision is exercised
             self.banned = frozenset({banned})
 
@@ -58,13 +58,13 @@ def test_a_banned_peer_is_not_asked_to_lead_our_group():
         return "group"
 
     matchmaking = Recording()
-    original = BanAwareMatchmaking.__mro__[1]._request_join_group
-    BanAwareMatchmaking.__mro__[1]._request_join_group = parent
+    original = SpesMatchmaking.__mro__[1]._request_join_group
+    SpesMatchmaking.__mro__[1]._request_join_group = parent
     try:
         assert asyncio.run(matchmaking._request_join_group(banned)) is None
         assert asyncio.run(matchmaking._request_join_group(other)) == "group"
     finally:
-        BanAwareMatchmaking.__mro__[1]._request_join_group = original
+        SpesMatchmaking.__mro__[1]._request_join_group = original
     assert asked == [other]
 
 
@@ -75,7 +75,7 @@ def test_a_leader_that_begins_after_our_search_ended_is_declined_without_an_erro
     # in the node's log). We decline that leader instead.
     leader = PeerID(b"late-leader-peer-id-bytes")
 
-    class Ended(BanAwareMatchmaking):
+    class Ended(SpesMatchmaking):
         def __init__(self):  # no p2p: only the follower's decision is exercised
             self.assembled_group = asyncio.get_running_loop().create_future()
             if ended == "assembled":
@@ -109,10 +109,10 @@ def test_a_leader_that_begins_after_our_search_ended_is_declined_without_an_erro
         asyncio.run(hivemind_alone())
 
 
-def test_robust_averagers_use_the_ban_aware_matchmaking():
+def test_robust_averagers_use_our_matchmaking():
     # hivemind builds the matchmaking from a module-level name, which RobustAverager.run replaces in its process:
     # this fails if an upgrade of hivemind stops looking the name up there
     import hivemind.averaging.averager as averager_module
 
-    assert issubclass(BanAwareMatchmaking, averager_module.Matchmaking)
+    assert issubclass(SpesMatchmaking, averager_module.Matchmaking)
     assert "self._matchmaking = Matchmaking(" in inspect.getsource(averager_module.DecentralizedAverager)

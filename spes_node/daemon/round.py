@@ -403,23 +403,30 @@ class SpesRound:
 
         errors: list[str] = []
 
-        def step(averager: GroupAverager, key: str, local: dict[str, torch.Tensor]):
+        def step(averager: GroupAverager, key: str, local: dict[str, torch.Tensor], expected: list[str]):
+            # a group led by us begins once every expected peer has joined, not at the end of the window
             if not self.updates:
-                return self._unless_stopped(lambda: averager.step(local, weight, gather, extra), key, errors)
+                return self._unless_stopped(
+                    lambda: averager.step(local, weight, gather, extra, expected=expected), key, errors
+                )
             anchored = (*gather, self.anchor_ids[key])
             anchor = self.anchor(key)
             return self._unless_stopped(
-                lambda: averager.step(local, weight, anchored, extra, anchor=anchor), key, errors
+                lambda: averager.step(local, weight, anchored, extra, anchor=anchor, expected=expected),
+                key,
+                errors,
             )
 
         shard_handles = {}
         for shard, local in shards_local.items():
-            replicas = any(shard in n.shards for n in others.values())
-            shard_handles[shard] = step(self.shard_avgs[shard], f"shard{shard}", local) if replicas else None
+            replicas = [peer for peer, n in others.items() if shard in n.shards]
+            shard_handles[shard] = (
+                step(self.shard_avgs[shard], f"shard{shard}", local, replicas) if replicas else None
+            )
         self._inflight = _Flight(
             inputs=inputs,
             started=time.perf_counter(),
-            shared=step(self.shared_avg, "shared", shared_local) if others else None,
+            shared=step(self.shared_avg, "shared", shared_local, list(others)) if others else None,
             shards=shard_handles,
             sent_shared=_clone(shared_local) if overlap else None,
             sent_shards={shard: _clone(local) if overlap else None for shard, local in shards_local.items()},

@@ -36,7 +36,7 @@ import logging
 import math
 import string
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -184,12 +184,14 @@ class GroupAverager:
         wait_extra: float = 0.0,
         *,
         anchor: dict[str, torch.Tensor] | None = None,
+        expected: Collection[str] = (),
     ):
         """Start averaging a copy of `tensors` (with updates: of `anchor - tensors`, plus the residual); returns a
         handle for `finish`.
 
         Matchmaking lasts up to twice the matchmaking window, plus `wait_extra` seconds for peers that are
-        expected soon; the all-reduce then has its own timeout."""
+        expected soon; the all-reduce then has its own timeout. `expected`: the other peers (base58) that should
+        be in the group; a group we lead begins as soon as they have all joined."""
         if (anchor is not None) != (self.average == "updates"):
             raise ValueError(f"{self.prefix}: an anchor is needed to average updates, and only then")
         residual = self.averager.residual
@@ -201,7 +203,7 @@ class GroupAverager:
                     buffer.copy_(anchor[name].detach() - tensors[name].detach())
                 if residual is not None:
                     buffer.add_(residual[i])
-        self.averager.set_banned(self.bans.active())
+        self.averager.set_peers(self.bans.active(), expected)
         start = time.perf_counter()
         matchmaking = self.matchmaking_time * 2 + max(0.0, wait_extra)
         control = self.averager.step(weight=max(weight, 1e-6), gather=gather, timeout=matchmaking, wait=False)

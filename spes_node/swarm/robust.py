@@ -609,7 +609,7 @@ class RobustAverager(DecentralizedAverager):
     """A DecentralizedAverager that checks its groupmates (see the module docstring) and refuses banned peers.
 
     `gather` values travel with this peer's swarm-key tag; `step(...).result()` is a `GroupOutcome`.
-    Bans are set from the parent process with `set_banned` before a step.
+    Bans and the expected group are set from the parent process with `set_peers` before a step.
 
     `updates=True` averages updates (see the module docstring): the tensors hold what to send, and after a step
     the value every member applied. With `error_feedback` and a lossy compression, `residual` (shared memory,
@@ -622,7 +622,7 @@ class RobustAverager(DecentralizedAverager):
         released = release_inherited_tensors(keep=[*self._averaged_tensors, *(self.residual or ())])
         logger.debug(f"averager {self.prefix}: gave back {released / 2**20:.0f} MiB of inherited tensors")
         # hivemind builds its matchmaking from this module-level name; in this (child) process, ours
-        hivemind.averaging.averager.Matchmaking = BanAwareMatchmaking
+        hivemind.averaging.averager.Matchmaking = SpesMatchmaking
         super().run()
 
     def __init__(
@@ -664,14 +664,18 @@ class RobustAverager(DecentralizedAverager):
     def step(self, gather: Any = None, **kwargs):
         return super().step(gather=[gather, self._tag], **kwargs)
 
-    def set_banned(self, peers: Collection[str]) -> None:
-        """Peers (base58) to refuse and ignore from the next step on."""
-        self._outer_pipe.send(("_set_banned", [sorted(peers)], {}))
+    def set_peers(self, banned: Collection[str], expected: Collection[str] = ()) -> None:
+        """For the next step on: peers (base58) to refuse and ignore, and the peers expected in our group (a group
+        we lead begins its all-reduce as soon as all of them have joined; see `SpesMatchmaking`)."""
+        self._outer_pipe.send(("_set_peers", [sorted(banned), sorted(expected)], {}))
 
-    async def _set_banned(self, peers: list[str]) -> None:
-        self._banned = frozenset(PeerID.from_base58(peer) for peer in peers)
-        if isinstance(getattr(self, "_matchmaking", None), BanAwareMatchmaking):
+    async def _set_peers(self, banned: list[str], expected: list[str]) -> None:
+        self._banned = frozenset(PeerID.from_base58(peer) for peer in banned)
+        if isinstance(getattr(self, "_matchmaking", None), SpesMatchmaking):
             self._matchmaking.banned = self._banned
+            self._matchmaking.expected = (
+                frozenset(PeerID.from_base58(peer) for peer in expected) - self._banned
+            )
 
     def _open(self, peer: PeerID, entry: bytes) -> tuple[int, Any]:
         return open_gathered(entry, peer.to_bytes(), self.prefix, self.swarm_key)
@@ -776,18 +780,38 @@ class RobustAverager(DecentralizedAverager):
             report["bytes_sent"], report["bytes_received"] = runner.bytes_sent, runner.bytes_received
 
 
-class BanAwareMatchmaking(Matchmaking):
-    """hivemind's matchmaking with two changes to how we join another peer's group:
+class SpesMatchmaking(Matchmaking):
+    """hivemind's matchmaking with three changes:
 
     - a banned peer is never asked to lead our group (as a leader we refuse them in
       `RobustAverager.rpc_join_group`): a node that caught a peer cheating meets it in neither role;
     - a leader's "begin all-reduce" that arrives after our search already ended (our group was assembled, or the
       search timed out or was cancelled, in the same turn of the event loop) is declined instead of failing
       hivemind's assertion in a background task, which logged a traceback and ended the search the same way.
-      The leader's all-reduce goes on without us, as it does for any member that does not show up.
+      The leader's all-reduce goes on without us, as it does for any member that does not show up;
+    - a group we lead begins as soon as every `expected` peer (the live holders that the DHT records name) has
+      joined, instead of always waiting out the matchmaking window. hivemind begins a group once it holds
+      `target_group_size` members; here that size exists only at the moment the expected peers are all in, so
+      nobody is ever refused for a full group: a stranger that joins first cannot crowd an expected peer out, and
+      a peer that the records do not name yet (a node that just joined) is welcome until the group begins. When
+      an expected peer does not come, the group waits out the window as before.
     """
 
     banned: frozenset[PeerID] = frozenset()
+    expected: frozenset[PeerID] = frozenset()
+
+    @property
+    def target_group_size(self) -> int | None:
+        """The group's size once every expected peer has joined us, else None (hivemind's "no target")."""
+        followers = getattr(self, "current_followers", None)
+        if not self.expected or followers is None or not self.expected <= followers.keys() | {self.peer_id}:
+            return None
+        return len(followers) + 1
+
+    @target_group_size.setter
+    def target_group_size(self, value: int | None) -> None:
+        if value is not None:  # hivemind sets its constructor's argument, which RobustAverager never gives
+            raise ValueError("SpesMatchmaking sizes groups by the expected peers, not by target_group_size")
 
     async def _request_join_group(self, leader: PeerID):
         if leader in self.banned:

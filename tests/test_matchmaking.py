@@ -1,0 +1,113 @@
+"""Groups begin once every expected peer has joined (`SpesMatchmaking`): real hivemind averagers on 127.0.0.1, and
+the rule itself, which never refuses a joiner for a full group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hivemind.p2p import PeerID
+from swarm_utils import loopback_dhts
+
+from spes_node.swarm.averaging import GroupAverager
+from spes_node.swarm.robust import SpesMatchmaking
+
+TENSORS = {"w": torch.zeros(1000)}
+
+
+@pytest.fixture(scope="module")
+def dhts():
+    peers = loopback_dhts(3)
+    yield peers
+    for dht in peers:
+        dht.shutdown()
+
+
+def run_group(dhts, prefix: str, members: int, window: float, expected: list[list[str]]):
+    """`members` averagers step at once, each telling its averager whom to expect; returns their results."""
+    group = [
+        GroupAverager(
+            dht,
+            prefix,
+            TENSORS,
+            compression="fp16",
+            matchmaking_time=window,
+            allreduce_timeout=60.0,
+            client_mode=False,
+        )
+        for dht in dhts[:members]
+    ]
+    try:
+        handles = [
+            averager.step({"w": torch.full((1000,), float(i + 1))}, 1.0, (0, 0, 1), expected=expected[i])
+            for i, averager in enumerate(group)
+        ]
+        return [averager.finish(handle) for averager, handle in zip(group, handles)]
+    finally:
+        for averager in group:
+            averager.shutdown()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(600)
+def test_a_group_begins_once_every_expected_peer_has_joined(dhts):
+    # a window far longer than the group needs: before, the leader always waited it out
+    window = 120.0
+    ids = [dht.peer_id.to_base58() for dht in dhts]
+    outcomes = run_group(dhts, "test_mm_all", 3, window, [[p for p in ids if p != me] for me in ids])
+    for result, averaged in outcomes:
+        assert result.group_size == 3 and averaged is not None and not result.error, result
+        assert result.seconds < window, result
+        assert torch.allclose(averaged["w"], outcomes[0][1]["w"], atol=1e-2) and 1 < averaged["w"].mean() < 3
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(600)
+def test_a_group_missing_an_expected_peer_waits_out_the_window(dhts):
+    # the third DHT runs no averager under this key: the two that do expect it and must wait for it
+    window = 4.0
+    ids = [dht.peer_id.to_base58() for dht in dhts]
+    outcomes = run_group(dhts, "test_mm_missing", 2, window, [[ids[1], ids[2]], [ids[0], ids[2]]])
+    for result, averaged in outcomes:
+        assert result.group_size == 2 and averaged is not None, result
+    # the leader is the first to step; its group cannot begin before its window ends
+    assert max(result.seconds for result, _ in outcomes) >= window
+
+
+def matchmaking(me: PeerID, expected: set[PeerID], followers: list[PeerID]) -> SpesMatchmaking:
+    class Bare(SpesMatchmaking):
+        def __init__(self):  # no p2p: only the group-size rule is exercised
+            self.peer_id = me
+            self.current_followers = dict.fromkeys(followers)
+
+    bare = Bare()
+    bare.expected = frozenset(expected)
+    return bare
+
+
+def test_the_group_size_exists_only_once_every_expected_peer_is_in():
+    me, a, b, stranger = (PeerID(f"peer-{name}-id-bytes".encode()) for name in ("me", "a", "b", "stranger"))
+    assert matchmaking(me, set(), [a, b]).target_group_size is None  # nobody expected: the window decides
+    assert matchmaking(me, {a, b}, [a]).target_group_size is None
+    # a stranger that joins first fills no expected place: the group still waits for b, and refuses nobody
+    assert matchmaking(me, {a, b}, [stranger, a]).target_group_size is None
+    assert matchmaking(me, {a, b}, [stranger, a, b]).target_group_size == 4
+    assert matchmaking(me, {a, b}, [b, a]).target_group_size == 2 + 1
+
+
+def test_hivemind_begins_a_group_at_its_target_size_and_refuses_past_it():
+    # the rule works through hivemind's own uses of target_group_size: the early begin in rpc_join_group and the
+    # refusal of a full group, which our size makes unreachable (the group has begun by then)
+    import inspect
+
+    from hivemind.averaging.matchmaking import Matchmaking
+
+    join = inspect.getsource(Matchmaking.rpc_join_group)
+    assert "len(self.current_followers) + 1 >= self.target_group_size" in join
+    assert "await self.leader_assemble_group()" in join
+    reject = inspect.getsource(Matchmaking._check_reasons_to_reject)
+    assert reject.index("self.assembled_group.done()") < reject.index("GROUP_IS_FULL")
+
+    bare = matchmaking(PeerID(b"peer-me-id-bytes"), set(), [])
+    bare.target_group_size = None  # what hivemind's constructor sets
+    with pytest.raises(ValueError):
+        bare.target_group_size = 4
