@@ -3,6 +3,8 @@ the rule itself, which never refuses a joiner for a full group."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from hivemind.p2p import PeerID
@@ -22,8 +24,18 @@ def dhts():
         dht.shutdown()
 
 
-def run_group(dhts, prefix: str, members: int, window: float, expected: list[list[str]]):
-    """`members` averagers step at once, each telling its averager whom to expect; returns their results."""
+def run_group(
+    dhts,
+    prefix: str,
+    members: int,
+    window: float,
+    expected: list[list[str]],
+    extra: float = 0.0,
+    late: float | None = None,
+):
+    """`members` averagers step, each telling its averager whom to expect and waiting `extra` seconds past the
+    window for them; with `late`, the last one steps only once the others have been looking for that long.
+    Returns their results."""
     group = [
         GroupAverager(
             dht,
@@ -36,11 +48,18 @@ def run_group(dhts, prefix: str, members: int, window: float, expected: list[lis
         )
         for dht in dhts[:members]
     ]
+
+    def step(i: int):
+        tensors = {"w": torch.full((1000,), float(i + 1))}
+        return group[i].step(tensors, 1.0, (0, 0, 1), extra, expected=expected[i])
+
     try:
-        handles = [
-            averager.step({"w": torch.full((1000,), float(i + 1))}, 1.0, (0, 0, 1), expected=expected[i])
-            for i, averager in enumerate(group)
-        ]
+        handles = [step(i) for i in range(members - (late is not None))]
+        if late is not None:
+            while time.perf_counter() - handles[0].started < late:
+                assert not any(h.control.done() for h in handles), "the group began before the late peer came"
+                time.sleep(0.1)
+            handles.append(step(members - 1))
         return [averager.finish(handle) for averager, handle in zip(group, handles)]
     finally:
         for averager in group:
@@ -71,6 +90,20 @@ def test_a_group_missing_an_expected_peer_waits_out_the_window(dhts):
         assert result.group_size == 2 and averaged is not None, result
     # the leader is the first to step; its group cannot begin before its window ends
     assert max(result.seconds for result, _ in outcomes) >= window
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(600)
+def test_the_window_stretches_for_a_peer_expected_soon_and_ends_when_it_joins(dhts):
+    # two peers wait past their 2 s window for a third that the records say is about to finish (the round's
+    # `wait_extra`); it steps once they have been looking for 6 s, and the group of three begins when it joins
+    window, extra, late = 2.0, 120.0, 6.0
+    ids = [dht.peer_id.to_base58() for dht in dhts]
+    expected = [[p for p in ids if p != me] for me in ids]
+    outcomes = run_group(dhts, "test_mm_late", 3, window, expected, extra=extra, late=late)
+    for result, averaged in outcomes:
+        assert result.group_size == 3 and averaged is not None and not result.error, result
+    assert outcomes[0][0].seconds < window + extra
 
 
 def matchmaking(me: PeerID, expected: set[PeerID], followers: list[PeerID]) -> SpesMatchmaking:

@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 
 import torch
 from hivemind import DHT
+from hivemind.utils.timed_storage import get_dht_time
 
 from spes_node.config import WIRE_BYTES
 from spes_node.swarm.codecs import wire_compression
@@ -189,9 +190,10 @@ class GroupAverager:
         """Start averaging a copy of `tensors` (with updates: of `anchor - tensors`, plus the residual); returns a
         handle for `finish`.
 
-        Matchmaking lasts up to twice the matchmaking window, plus `wait_extra` seconds for peers that are
-        expected soon; the all-reduce then has its own timeout. `expected`: the other peers (base58) that should
-        be in the group; a group we lead begins as soon as they have all joined."""
+        A group we lead begins at the end of its window, the matchmaking time plus `wait_extra` seconds for peers
+        that are expected soon, or as soon as every `expected` peer (base58) has joined, whichever comes first;
+        without a group, matchmaking goes on for up to twice the matchmaking time plus `wait_extra`. The
+        all-reduce then has its own timeout."""
         if (anchor is not None) != (self.average == "updates"):
             raise ValueError(f"{self.prefix}: an anchor is needed to average updates, and only then")
         residual = self.averager.residual
@@ -205,8 +207,18 @@ class GroupAverager:
                     buffer.add_(residual[i])
         self.averager.set_peers(self.bans.active(), expected)
         start = time.perf_counter()
-        matchmaking = self.matchmaking_time * 2 + max(0.0, wait_extra)
-        control = self.averager.step(weight=max(weight, 1e-6), gather=gather, timeout=matchmaking, wait=False)
+        wait_extra = max(0.0, wait_extra)
+        matchmaking = self.matchmaking_time * 2 + wait_extra
+        # hivemind's leader begins at its declared time, the scheduled one: the window stretches by `wait_extra`
+        # (before, a leader with one follower began after the matchmaking time and missed the peers waited for)
+        window_end = get_dht_time() + self.matchmaking_time + wait_extra
+        control = self.averager.step(
+            weight=max(weight, 1e-6),
+            gather=gather,
+            scheduled_time=window_end,
+            timeout=matchmaking,
+            wait=False,
+        )
         # hivemind may start a last matchmaking attempt just before its deadline, then the all-reduce
         deadline = start + 2 * matchmaking + self.allreduce_timeout + self.step_grace
         return StepHandle(control, start, deadline)
