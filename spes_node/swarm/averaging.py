@@ -190,9 +190,10 @@ class GroupAverager:
         """Start averaging a copy of `tensors` (with updates: of `anchor - tensors`, plus the residual); returns a
         handle for `finish`.
 
-        A group we lead begins at the end of its window, the matchmaking time plus `wait_extra` seconds for peers
-        that are expected soon, or as soon as every `expected` peer (base58) has joined, whichever comes first;
-        without a group, matchmaking goes on for up to twice the matchmaking time plus `wait_extra`. The
+        A group we lead begins as soon as every `expected` peer (base58) has joined, or else at the end of its
+        window: the matchmaking time, plus `wait_extra` seconds for peers expected soon but at most one more
+        matchmaking time, so that one late peer (or a record that claims one) holds a whole group for at most a
+        second window. Alone, we keep looking for up to twice the matchmaking time plus `wait_extra`. The
         all-reduce then has its own timeout."""
         if (anchor is not None) != (self.average == "updates"):
             raise ValueError(f"{self.prefix}: an anchor is needed to average updates, and only then")
@@ -209,9 +210,9 @@ class GroupAverager:
         start = time.perf_counter()
         wait_extra = max(0.0, wait_extra)
         matchmaking = self.matchmaking_time * 2 + wait_extra
-        # hivemind's leader begins at its declared time, the scheduled one: the window stretches by `wait_extra`
-        # (before, a leader with one follower began after the matchmaking time and missed the peers waited for)
-        window_end = get_dht_time() + self.matchmaking_time + wait_extra
+        # hivemind's leader begins at its declared time, the scheduled one (unscheduled: the matchmaking time after
+        # the step, when a leader with one follower began without the peers that the round was waiting for)
+        window_end = get_dht_time() + self.matchmaking_time + min(wait_extra, self.matchmaking_time)
         control = self.averager.step(
             weight=max(weight, 1e-6),
             gather=gather,
