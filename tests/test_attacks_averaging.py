@@ -399,6 +399,7 @@ def test_a_reducer_that_dies_mid_allreduce_is_counted_not_silent(swarm):
                 "the stranger never completed a step with a node",
                 attacker.steps,
             )
+        stranger = attacker.averager.peer_id.to_base58()
         os.kill(attacker.averager.pid, signal.SIGKILL)
         victims = [ids[peer] for peer in step.peers & ids.keys()]
         swarm.wait_for(
@@ -422,6 +423,8 @@ def test_a_reducer_that_dies_mid_allreduce_is_counted_not_silent(swarm):
         assert report["failed_parts"] >= 1 and any("parts not averaged" in e for e in report["errors"]), (
             report
         )
+        # and why: the dead reducer by its peer id, with the error its stream ended on
+        assert any(f"{stranger[:12]}: " in e for e in report["errors"]), report
         warning = re.search(rf"WARN(ING)? .*round {report['round']}: \d+ of \d+ parts not averaged", log)
         assert warning, log[-3000:]
         assert "Traceback" not in log

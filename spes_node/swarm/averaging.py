@@ -262,9 +262,11 @@ class GroupAverager:
         )
         result.failed_reducers, result.failed_fraction = outcome.failed_reducers, outcome.failed_fraction
         if outcome.failed_reducers:
+            why = "; ".join(f"{peer[:12]}: {reason}" for peer, reason in outcome.reducer_errors.items())
             result.error = (
                 f"{outcome.failed_reducers} of {n} parts not averaged "
                 f"({100 * outcome.failed_fraction:.0f}% of the vector kept local values)"
+                + (f": {why}" if why else "")
             )
         return result, averaged
 

@@ -74,7 +74,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator  # noqa: UP035 (hivemind reads `typing` hints to find streaming RPCs)
 
 import hivemind.averaging.averager
@@ -434,6 +434,8 @@ class RobustAllReduceRunner(AllReduceRunner):
         self.ignored = frozenset(ignored) - {self.peer_id}
         self.updates = updates
         self.bytes_sent = self.bytes_received = 0
+        self.reducer_errors: dict[PeerID, str] = {}
+        """Reducers whose part failed, and why (hivemind logs it at DEBUG only)."""
         self._serving = 0
         self._served = asyncio.Event()
         self._served.set()
@@ -494,7 +496,11 @@ class RobustAllReduceRunner(AllReduceRunner):
                 )
                 self.tensor_part_container.register_processed_part(peer_index, part_index, value)
             return
-        await super()._communicate_with_peer(peer_id)
+        try:
+            await super()._communicate_with_peer(peer_id)
+        except Exception as e:  # hivemind has registered the part as failed; the round reports why
+            self.reducer_errors[peer_id] = f"{type(e).__name__}: {e}"[:200]
+            raise
 
     def _get_peer_stub(self, peer: PeerID):
         return _CountingStub(super()._get_peer_stub(peer), self)
@@ -588,6 +594,8 @@ class GroupOutcome:
     """Serialized all-reduce messages we sent (our parts to reducers, results to senders)."""
     bytes_received: int = 0
     """Serialized all-reduce messages we received."""
+    reducer_errors: dict[str, str] = field(default_factory=dict)
+    """Peer id (base58) -> why its part failed, for reducers that failed on the way (not the banned or ignored)."""
 
 
 def open_gathered(entry: bytes, peer_id: bytes, prefix: str, swarm_key: SwarmKey | None) -> tuple[int, Any]:
@@ -712,7 +720,7 @@ class RobustAverager(DecentralizedAverager):
             entries.append(self.serializer.dumps([None, mode, self.serializer.dumps(None)]))
         ignored = frozenset(rejected) | (self._banned & frozenset(group_info.peer_ids))
         sanitized = GroupInfo(group_info.group_id, group_info.peer_ids, tuple(entries))
-        report: dict[str, float] = {}
+        report: dict[str, Any] = {}
         await super()._aggregate_with_group(
             sanitized,
             min_vector_size,
@@ -726,6 +734,7 @@ class RobustAverager(DecentralizedAverager):
             failed_fraction=float(report.get("fraction", 0.0)),
             bytes_sent=int(report.get("bytes_sent", 0)),
             bytes_received=int(report.get("bytes_received", 0)),
+            reducer_errors=dict(report.get("reducer_errors", {})),
             gathered={
                 peer.to_base58(): payloads[peer]
                 for peer in group_info.peer_ids
@@ -742,7 +751,7 @@ class RobustAverager(DecentralizedAverager):
         *,
         ignored: Collection[PeerID] = (),
         on_reject: Callable[[PeerID, str], Any] = lambda peer, reason: None,
-        report: dict[str, float] | None = None,
+        report: dict[str, Any] | None = None,
         **kwargs,
     ):
         # hivemind's _run_allreduce_inplace_ with RobustAllReduceRunner (this averager is never auxiliary); with
@@ -778,6 +787,7 @@ class RobustAverager(DecentralizedAverager):
             report["reducers"] = len(container.failed_reducers)
             report["fraction"] = container.failed_size / max(1, sum(t.numel() for t in tensors))
             report["bytes_sent"], report["bytes_received"] = runner.bytes_sent, runner.bytes_received
+            report["reducer_errors"] = {peer.to_base58(): why for peer, why in runner.reducer_errors.items()}
 
 
 class SpesMatchmaking(Matchmaking):
