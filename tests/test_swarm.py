@@ -109,6 +109,25 @@ def test_four_nodes_two_replicas_agree_after_rounds(swarm_factory, tmp_path):
     assert all("merged" in swarm.log(name) for name in names), "merge warm-up was due at round 2"
 
 
+def test_rounds_begin_once_every_live_holder_is_in_not_at_the_end_of_the_window(swarm_factory):
+    # a matchmaking window of 10 minutes: a round that waited it out would time this test out. Each node's groups
+    # (the shared parameters, and the one shard both hold) expect the other node, which the records name, and begin
+    # as soon as it has joined
+    window = 600.0
+    swarm = swarm_factory(num_shards=1, matchmaking_time=window)
+    names = ("a", "b")
+    for name in names:
+        swarm.start(name, "--max-rounds", "3", "--wait-peers", "2")
+    for name in names:
+        assert swarm.wait_exit(name, 300) == 0, swarm.log(name)[-3000:]
+    for name in names:
+        rounds = swarm.summary(name)["rounds"]
+        assert len(rounds) == 3, rounds
+        for report in rounds:
+            assert report["shared_group"] == 2 and report["shard_groups"] == {"0": 2}, report
+            assert report["seconds"] < window and not report["errors"], report
+
+
 def test_late_joiner_starts_from_swarm_weights(swarm_factory):
     swarm = swarm_factory(num_shards=2)
     for name in ("a", "b"):
