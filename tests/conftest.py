@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 from hivemind_locks import renew_wedged_hivemind_locks
+from swarm_utils import loopback_dhts
 
 
 @pytest.fixture(autouse=True)
@@ -19,3 +20,12 @@ def _hivemind_locks_not_left_wedged(request):
         warnings.warn(
             f"{request.node.nodeid} left {', '.join(wedged)} held: MPFuture backend reset", stacklevel=1
         )
+
+
+@pytest.fixture(scope="module")
+def dhts():
+    """Three DHT peers on 127.0.0.1 shared by a module's tests (averagers under a new prefix per test)."""
+    peers = loopback_dhts(3)
+    yield peers
+    for dht in peers:
+        dht.shutdown()

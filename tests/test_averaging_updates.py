@@ -9,7 +9,6 @@ import threading
 
 import pytest
 import torch
-from swarm_utils import loopback_dhts
 
 from spes_node.swarm.averaging import (
     GroupAverager,
@@ -25,14 +24,6 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 SHAPES = {"embed": (600, 1000), "flat": (700_000,), "norm": (128,)}
 """1.3 M values: three all-reduce chunks of the int8 codec in the large tensors, and a small one."""
 MATCHMAKING = 2.0
-
-
-@pytest.fixture(scope="module")
-def dhts():
-    peers = loopback_dhts(3)
-    yield peers
-    for dht in peers:
-        dht.shutdown()
 
 
 _groups = iter(range(1000))

@@ -8,20 +8,11 @@ import time
 import pytest
 import torch
 from hivemind.p2p import PeerID
-from swarm_utils import loopback_dhts
 
 from spes_node.swarm.averaging import GroupAverager
 from spes_node.swarm.robust import SpesMatchmaking
 
 TENSORS = {"w": torch.zeros(1000)}
-
-
-@pytest.fixture(scope="module")
-def dhts():
-    peers = loopback_dhts(3)
-    yield peers
-    for dht in peers:
-        dht.shutdown()
 
 
 def run_group(
