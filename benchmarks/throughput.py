@@ -13,7 +13,9 @@ background all-reduce also slows the steps on a CPU (it competes for the same co
 that slowdown is not in the share-of-time ratio, and the mean step time of each run is reported beside it.
 
 The headline is the run with the preset's own `swarm.overlap` (as published when it is off); both are reported,
-"as published" and "overlap".
+"as published" and "overlap". `--variants` can add `sync_int8` and `overlap_int8`: the same with int8
+pseudo-gradients on the wire (`swarm.average = "updates"`, `swarm.wire_compression = "int8"`), half the fp16
+weights' bytes per all-reduce.
 
 `--rate-mbit R` runs every node in its own network namespace behind a link shaped to R Mbit/s each way
 (`benchmarks/netns.py`, tbf on each node's veth pair, as in the link benchmark), so that the sync's transfers take
@@ -75,10 +77,15 @@ def node_rate(node: NodeRun, sync_steps: int) -> dict:
     }
 
 
-def config(settings: dict, overlap: bool) -> SpesConfig:
+VARIANTS = ("sync", "no_sync", "overlap", "sync_int8", "overlap_int8")
+INT8_UPDATES = {"average": "updates", "wire_compression": "int8"}
+
+
+def config(settings: dict, variant: str) -> SpesConfig:
     n, S = settings["num_nodes"], settings["num_shards"]
+    swarm = {"num_shards": S, "replication_target": n // S, "overlap": variant.startswith("overlap")}
     return load_preset(settings["preset"]).replace(
-        swarm={"num_shards": S, "replication_target": n // S, "overlap": overlap}
+        swarm={**swarm, **(INT8_UPDATES if variant.endswith("_int8") else {})}
     )
 
 
@@ -88,8 +95,13 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
     settings = {**SETTINGS, **(settings or {})}
     variants = {}
     rate = settings["rate_mbit"]
+    unknown = [name for name in settings["variants"] if name not in VARIANTS]
+    if unknown or "no_sync" not in settings["variants"] or "sync" not in settings["variants"]:
+        raise ValueError(
+            f"variants must include sync and no_sync, from {VARIANTS}; got {settings['variants']}"
+        )
     for name in settings["variants"]:
-        cfg = config(settings, overlap=name == "overlap")
+        cfg = config(settings, name)
         with LoadMonitor() as load, _network(settings["num_nodes"], rate) as network:
             swarm = BenchSwarm(
                 workdir / name, cfg, settings["num_nodes"], run_id=f"tp_{name}", network=network
@@ -124,6 +136,11 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
             variants["overlap"]["tokens_per_s_per_node"] / base if "overlap" in variants else None
         ),
         "raw_whole_run_ratio": variants["sync"]["whole_run_tokens_per_s_per_node"] / whole_base,
+        **{
+            f"throughput_ratio_{name}": variants[name]["compute_share"] / share
+            for name in variants
+            if name.endswith("_int8")
+        },
         "method": "headline: share of wall time in training steps (steady state), with sync / without sync",
         "variants": variants,
     }
@@ -154,7 +171,7 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
                 for name, v in variants.items()
             ],
             title=f"throughput ({settings['preset']}, {settings['num_nodes']} nodes, S={settings['num_shards']}, "
-            f"{settings['rounds']} rounds of {config(settings, False).swarm.sync_steps} steps, "
+            f"{settings['rounds']} rounds of {config(settings, 'sync').swarm.sync_steps} steps, "
             + (f"links shaped to {rate:g} Mbit/s)" if rate else "loopback)"),
         )
     )
@@ -191,12 +208,19 @@ def main() -> None:
         "--rate-mbit", type=float, default=None, help="shape each node's link (namespaces, root)"
     )
     parser.add_argument("--rounds", type=int, default=SETTINGS["rounds"])
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=VARIANTS,
+        default=SETTINGS["variants"],
+        help="runs to make (sync and no_sync always; the int8 ones average int8 pseudo-gradients)",
+    )
     parser.add_argument("--no-latest", action="store_true", help="leave latest.json alone")
     args = parser.parse_args()
     started = time.time()
     run(
         Path(args.workdir),
-        {"rate_mbit": args.rate_mbit, "rounds": args.rounds},
+        {"rate_mbit": args.rate_mbit, "rounds": args.rounds, "variants": args.variants},
         write_latest=not args.no_latest,
     )
     emit(f"throughput benchmark took {time.time() - started:.0f}s")
