@@ -187,6 +187,7 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
                 # the suite's name for it (run_all); left out, latest.json kept another run's raw ratio
                 "throughput_raw_tokens_per_s_ratio": results["raw_tokens_per_s_ratio"],
                 "throughput_link_mbit": rate,
+                **{key: value for key, value in results.items() if key.endswith("_int8")},
             }
         )
     return results
