@@ -3,6 +3,7 @@
 import torch
 
 from spes_node.daemon.anchors import apply_outer
+from spes_node.devices import HOST
 from spes_node.swarm.averaging import NesterovOuter, PlainAverage
 
 
@@ -70,12 +71,21 @@ def test_nesterov_state_survives_a_checkpoint_and_stays_on_the_weights_device():
     apply_outer(outer, a, None, {"w": torch.tensor([0.2, 0.1])})
     apply_outer(restored, b, None, {"w": torch.tensor([0.2, 0.1])})
     assert torch.equal(a["w"], b["w"])
-    # state is kept where the weights live (a CUDA run used to fail on CPU state)
-    assert all(t.device == weights["w"].device for t in restored.previous.values())
+    # the state is in host memory whatever the weights' device (devices.HOST)
+    assert all(t.device == HOST for t in (*restored.previous.values(), *restored.velocity.values()))
 
 
-def test_nesterov_state_is_kept_on_the_device_of_the_weights():
-    # the meta device stands in for CUDA: state copied to the CPU (as before) cannot be made from it
+def test_nesterov_state_is_an_fp32_copy_in_host_memory():
+    """A copy, never a view of the weights it remembers, and fp32 whatever their dtype. (On a GPU node the weights
+    are on the card and the state in host memory: the steps move each tensor across; no GPU ran this here.)"""
+    weights = {"w": torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)}
     outer = NesterovOuter(0.7, 0.9)
-    outer.remember({"w": torch.empty(3, device="meta")})
-    assert outer.previous["w"].device.type == "meta"
+    outer.remember(weights)
+    previous = outer.previous["w"]
+    assert previous.device == HOST and previous.dtype == torch.float32
+    weights["w"].add_(1.0)
+    assert previous.tolist() == [1.0, 2.0, 3.0]
+    # an fp16 average (as a wire might leave it) is taken in fp32 against the fp32 state
+    apply_outer(outer, weights, None, {"w": torch.tensor([2.0, 2.0, 2.0], dtype=torch.float16)})
+    assert outer.velocity["w"].dtype == torch.float32
+    assert weights["w"].dtype == torch.bfloat16

@@ -23,16 +23,17 @@ def apply_outer(outer, local: dict, sent: dict | None, averaged: dict | None) ->
     """Apply a round's result to the live weights.
 
     Without overlap (`sent` is None) the outer step acts on the weights directly. With overlap, the weights moved on
-    after `sent` was handed to the all-reduce: the outer step acts on `sent`, and the local progress made since
-    (local - sent) is added back on top of the new global weights.
+    after `sent` (a copy in host memory) was handed to the all-reduce: the outer step acts on `sent`, and the local
+    progress made since (local - sent) is added back on top of the new global weights; both are worked out in host
+    memory, and the training device only receives the result.
     """
     if averaged is None:
         if isinstance(outer, NesterovOuter):
             outer.remember(sent if sent is not None else local)
         return
     target = sent if sent is not None else local
-    delta = {k: local[k] - sent[k] for k in local} if sent is not None else None
-    outer.apply(target, {k: v.to(target[k].device) for k, v in averaged.items()})
+    delta = {k: local[k].to(sent[k].device) - sent[k] for k in local} if sent is not None else None
+    outer.apply(target, averaged)  # each tensor copied where it is needed, not the group at once
     if delta is not None:
         for k, tensor in local.items():
             tensor.copy_(target[k] + delta[k])
@@ -83,7 +84,7 @@ def apply_update(outer, local: dict, sent: dict | None, anchor: dict, update: di
     (and the next anchor). Without a group, the trained weights are the new anchor. With overlap, as
     `apply_outer`: the local progress made since `sent` is added back on top."""
     target = sent if sent is not None else local
-    delta = {k: local[k] - sent[k] for k in local} if sent is not None else None
+    delta = {k: local[k].to(sent[k].device) - sent[k] for k in local} if sent is not None else None
     if update is None:
         if isinstance(outer, NesterovOuter):
             outer.remember(target)

@@ -4,8 +4,7 @@ Pure arithmetic on the config, no torch. Every term follows what the code does:
 
 GPU, static (`model.py`, `sharding.py`, `trainer.py`): the shared parameters (everything but expert weights) and
 the held shards' experts are fp32 parameters with fp32 gradients and two fp32 AdamW moments; the other shards'
-experts are buffers in `swarm.frozen_dtype` (int8 with one fp32 scale per output row). A nesterov outer optimizer
-keeps two more fp32 copies of the trainable weights on the device, `swarm.overlap` one more.
+experts are buffers in `swarm.frozen_dtype` (int8 with one fp32 scale per output row).
 
 GPU, activations: the tensors autograd saves in one forward pass of `MoEForCausalLM` at the micro-batch, as the
 trainer runs it on a GPU (bf16 autocast): RMSNorm keeps its fp32 input and normalised value; under autocast each
@@ -23,7 +22,10 @@ works on one layer's experts in fp32.
 `compute="fp32"` is the same model without autocast (what the trainer runs on a CPU); tests/test_plan.py
 measures both on a CPU against it.
 
-Host (`rounds.py`, `averaging.py`, `transfer.py`, `checkpoint.py`, `node.py`): the averagers' fp32 buffers of
+Host (`rounds.py`, `averaging.py`, `transfer.py`, `checkpoint.py`, `node.py`): the round's state, which lives in
+host memory whatever the training device (`devices.HOST`): a nesterov outer optimizer's two fp32 copies of the
+trainable weights, `swarm.overlap`'s one more, the fp32 anchor of update averaging with the plain average; the
+averagers' fp32 buffers of
 the shared parameters and the held shards (hivemind's own copy, in shared memory), the averaged result copied out
 after a round's all-reduce, the served snapshots of every part at wire precision (fp16 or fp32), the refresh
 downloads of every other shard (at snapshot precision, updates already added to the copy, held until the next
@@ -137,7 +139,7 @@ class MemoryPlan:
     """Frozen experts at their storage precision."""
     outer: int
     """Nesterov outer optimizer state, the overlap's copy of the trainable weights and, averaging updates with the
-    plain average, the fp32 anchor (0 as published)."""
+    plain average, the fp32 anchor (0 as published): in host memory, whatever the training device."""
     activations: int
     """Activations kept for backward at the micro-batch, with the config's checkpointing setting."""
     working: int
@@ -331,7 +333,7 @@ def memory_plan(
     # weights at the last sync; Nesterov's previous weights serve as the anchor at no extra cost)
     anchor = 4 * trainable if s.average == "updates" and s.outer_optimizer != "nesterov" else 0
     outer = nesterov + (4 * trainable if s.overlap else 0) + anchor
-    static = weights + optimizer + frozen + outer
+    static = weights + optimizer + frozen
 
     # between steps (no gradients, no activations): a round brings the averaged tensors of one group to the device
     # (`rounds.apply_outer`), and the merge warm-up (`SpesRound.merge`) works on one layer's experts at a time in
@@ -376,7 +378,12 @@ def memory_plan(
     # frozen experts only when checkpoints hold them (a resume without them refetches them from the swarm)
     host_checkpoint = weights + optimizer + (frozen if t.checkpoint_frozen_experts else 0) + nesterov
     host_running = (
-        HOST_RUNTIME + host_averager + host_snapshots + host_refresh + max(host_allreduce, host_checkpoint)
+        HOST_RUNTIME
+        + outer
+        + host_averager
+        + host_snapshots
+        + host_refresh
+        + max(host_allreduce, host_checkpoint)
     )
     host_startup = HOST_RUNTIME + 4 * counts["total"] + host_checkpoint
     plan = MemoryPlan(
@@ -539,13 +546,12 @@ def plan_table(plan: MemoryPlan) -> str:
         ("AdamW moments (fp32)", plan.optimizer, None),
         (f"frozen experts ({plan.frozen_dtype})", plan.frozen, None),
     ]
-    if plan.outer:
-        rows.append(("outer optimizer, anchor, overlap copies", plan.outer, None))
     rows += [
         ("activations at the micro-batch", plan.activations, None),
         ("working memory (backward, round)", plan.working, None),
         (f"allocator margin ({ALLOCATOR_MARGIN:.0%})", plan.margin, None),
         ("CUDA context and workspaces", plan.reserve, None),
+        *([("outer optimizer, anchor, overlap copies", None, plan.outer)] if plan.outer else []),
         ("averager buffers, residual (fp32)", None, plan.host_averager),
         ("served snapshots (trained parts)", None, plan.host_snapshots),
         ("refresh downloads (wire precision)", None, plan.host_refresh),

@@ -38,6 +38,7 @@ from spes_node.daemon.anchors import (
 )
 from spes_node.daemon.frozen import FrozenCopies, HeldCopy, refresh_due, shard_shapes
 from spes_node.daemon.placement import data_part, plan_rebalance_move
+from spes_node.devices import to_host
 from spes_node.model.merge import merge_alpha, merge_due, merge_layer
 from spes_node.model.moe import MoEForCausalLM, read_stored
 from spes_node.model.ownership import (
@@ -318,7 +319,7 @@ class SpesRound:
             for name, tensor in tensors.items():
                 self._anchors[key][name].copy_(tensor)
         else:
-            self._anchors[key] = {name: t.detach().float().clone() for name, t in tensors.items()}
+            self._anchors[key] = {name: to_host(t) for name, t in tensors.items()}
         if anchor_id is None:
             self._own_ids += 1
             anchor_id = next_anchor_id("own", [self.peer_id], self._own_ids)
@@ -428,8 +429,10 @@ class SpesRound:
             started=time.perf_counter(),
             shared=step(self.shared_avg, "shared", shared_local, list(others)) if others else None,
             shards=shard_handles,
-            sent_shared=_clone(shared_local) if overlap else None,
-            sent_shards={shard: _clone(local) if overlap else None for shard, local in shards_local.items()},
+            sent_shared=_to_host(shared_local) if overlap else None,
+            sent_shards={
+                shard: _to_host(local) if overlap else None for shard, local in shards_local.items()
+            },
             errors=errors,
         )
 
@@ -906,5 +909,5 @@ def _shard_of(part: str) -> int:
     return int(part.split(":")[1])
 
 
-def _clone(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: t.detach().clone() for name, t in tensors.items()}
+def _to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: to_host(t) for name, t in tensors.items()}

@@ -45,6 +45,7 @@ from hivemind import DHT
 from hivemind.utils.timed_storage import get_dht_time
 
 from spes_node.config import WIRE_BYTES
+from spes_node.devices import HOST, to_host
 from spes_node.swarm.codecs import wire_compression
 from spes_node.swarm.robust import BanList, GroupOutcome, RobustAverager, RobustPolicy
 from spes_node.swarm.swarm_key import SwarmKey
@@ -203,7 +204,7 @@ class GroupAverager:
                 if anchor is None:
                     buffer.copy_(tensors[name].detach())
                 else:
-                    buffer.copy_(anchor[name].detach() - tensors[name].detach())
+                    buffer.copy_(anchor[name].detach() - tensors[name].detach().to(anchor[name].device))
                 if residual is not None:
                     buffer.add_(residual[i])
         self.averager.set_peers(self.bans.active(), expected)
@@ -305,13 +306,14 @@ class PlainAverage(OuterOptimizer):
     @torch.no_grad()
     def apply_update(self, local, anchor, update):
         for name, tensor in local.items():
-            tensor.copy_(anchor[name].to(tensor.device) - update[name].to(tensor.device))
+            tensor.copy_(anchor[name] - update[name].to(anchor[name].device))
 
 
 class NesterovOuter(OuterOptimizer):
     """DiLoCo: the outer gradient is (previous global - average); SGD with Nesterov momentum on the global weights.
 
-    Its state lives on the weights' device and is saved in checkpoints (`state_dict`)."""
+    Its state lives in host memory (`devices.HOST`), whatever the weights' device, and is saved in checkpoints
+    (`state_dict`)."""
 
     def __init__(self, lr: float, momentum: float):
         self.lr, self.momentum = lr, momentum
@@ -321,22 +323,22 @@ class NesterovOuter(OuterOptimizer):
     @torch.no_grad()
     def remember(self, local: dict[str, torch.Tensor]) -> None:
         """Record the global weights the next round starts from."""
-        self.previous = {name: t.detach().float().clone() for name, t in local.items()}
+        self.previous = {name: to_host(t) for name, t in local.items()}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Flat tensors by name (`previous.<name>`, `velocity.<name>`), on the CPU."""
-        out = {f"previous.{k}": v.detach().to("cpu", copy=True) for k, v in self.previous.items()}
-        out.update({f"velocity.{k}": v.detach().to("cpu", copy=True) for k, v in self.velocity.items()})
+        out = {f"previous.{k}": to_host(v) for k, v in self.previous.items()}
+        out.update({f"velocity.{k}": to_host(v) for k, v in self.velocity.items()})
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> None:
-        """Restore what `state_dict` saved for the tensors in `like` (their names, devices and shapes)."""
+        """Restore what `state_dict` saved for the tensors in `like` (their names and shapes), in host memory."""
         for kind, target in (("previous", self.previous), ("velocity", self.velocity)):
             target.clear()
             for name, tensor in like.items():
                 saved = state.get(f"{kind}.{name}")
                 if saved is not None and saved.shape == tensor.shape:
-                    target[name] = saved.to(tensor.device, torch.float32, copy=True)
+                    target[name] = to_host(saved)
 
     @torch.no_grad()
     def apply(self, local, averaged):
@@ -345,7 +347,7 @@ class NesterovOuter(OuterOptimizer):
             self.remember(local)
             return
         for name, tensor in local.items():
-            grad = self.previous[name] - averaged[name]
+            grad = self.previous[name] - averaged[name].to(HOST, torch.float32)
             v = self.velocity.setdefault(name, torch.zeros_like(grad))
             v.mul_(self.momentum).add_(grad)
             new = self.previous[name] - self.lr * (grad + self.momentum * v)
@@ -355,10 +357,10 @@ class NesterovOuter(OuterOptimizer):
     @torch.no_grad()
     def apply_update(self, local, anchor, update):
         for name, tensor in local.items():
-            grad = update[name].to(tensor.device, torch.float32)
+            grad = update[name].to(HOST, torch.float32)
             v = self.velocity.setdefault(name, torch.zeros_like(grad))
             v.mul_(self.momentum).add_(grad)
-            tensor.copy_(anchor[name].to(tensor.device) - self.lr * (grad + self.momentum * v))
+            tensor.copy_(anchor[name].to(HOST) - self.lr * (grad + self.momentum * v))
         self.remember(local)
 
 
