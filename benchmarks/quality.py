@@ -103,6 +103,14 @@ SETUPS = {
             overlap_steps=5,
             description="spes_4x1, overlap: a round lands 5 steps late",
         ),
+        Setting(
+            "spes_4x1_overlap_blend",
+            4,
+            1,
+            overlap_steps=5,
+            overlap_blend=0.5,
+            description="spes_4x1_overlap, the landed round blended half and half with the local weights",
+        ),
         Setting("spes_4x1_16e", 4, 1, num_experts=16, description="spes_4x1 with 2x the experts"),
     )
 }

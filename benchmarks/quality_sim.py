@@ -65,6 +65,10 @@ class Setting:
     overlap_steps: int = 0
     """`swarm.overlap`: a round's result lands this many local steps into the next round, applied with the local
     progress made since (0: training waits for the round, as published). fp32 wire only."""
+    overlap_blend: float | None = None
+    """With overlap, how the landed round meets the local weights: None adds the local progress made since to the
+    round's result (the daemon's rule); a number b blends them instead, b x local + (1 - b) x result (Streaming
+    DiLoCo's rule for overlapped rounds, which keeps part of the progress and part of the local drift)."""
     description: str = ""
 
     @property
@@ -309,9 +313,13 @@ class SimSwarm:
 
     @torch.no_grad()
     def _land(self) -> None:
+        blend = self.setting.overlap_blend
         for node, kind, before, result in self.pending:
             for name, tensor in node.group(kind).items():
-                tensor.copy_(result[name] + (tensor - before[name]))
+                if blend is None:
+                    tensor.copy_(result[name] + (tensor - before[name]))
+                else:
+                    tensor.copy_(blend * tensor + (1 - blend) * result[name])
         self.pending = None
         self._after_round()
 

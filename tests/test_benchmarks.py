@@ -318,3 +318,20 @@ def test_simulated_overlap_applies_the_round_with_the_progress_made_since(tmp_pa
     for node in swarm.nodes:  # landed: the average, plus what the node trained since
         assert torch.allclose(weight(node), averaged + progress[node.index], atol=1e-6)
     assert swarm.pending is None
+
+    # blended instead: half the local weights, half the round's result
+    blended = SimSwarm(
+        cfg,
+        Setting("blend", 2, 1, merge=False, overlap_steps=2, overlap_blend=0.5),
+        init,
+        load_tokenizer(cfg.data.tokenizer),
+        seed=0,
+    )
+    blended.train_round()
+    blended.sync()
+    averaged = (weight(blended.nodes[0]) + weight(blended.nodes[1])) / 2
+    blended._steps(2)
+    local = {node.index: weight(node) for node in blended.nodes}
+    blended.land()
+    for node in blended.nodes:
+        assert torch.allclose(weight(node), 0.5 * local[node.index] + 0.5 * averaged, atol=1e-6)
