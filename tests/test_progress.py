@@ -3,7 +3,16 @@
 import random
 from dataclasses import dataclass, field
 
-from spes_node.swarm.progress import consensus_round, rank_holders, should_catch_up, wait_for_peers
+from spes_node.swarm.progress import (
+    NO_SHOW_LIMIT,
+    consensus_round,
+    excused_peers,
+    no_shows,
+    peer_etas,
+    rank_holders,
+    should_catch_up,
+    wait_for_peers,
+)
 
 ACTIVE = ("training", "averaging")
 
@@ -124,3 +133,28 @@ def test_a_peer_without_a_throughput_figure_is_assumed_as_fast_as_we_are():
         default_tokens_per_s=200.0,
     )
     assert abs(wait - 2.0) < 1e-9
+
+
+def test_each_peer_worth_waiting_for_has_its_own_eta():
+    peers = {
+        "near": Rec(round=3, step=38, tokens_per_s=200.0, updated_at=100.0),  # 2 steps: 1 s
+        "far": Rec(round=3, step=32, tokens_per_s=200.0, updated_at=100.0),  # 8 steps: 4 s
+        "done": Rec(round=3, step=40, state="averaging", tokens_per_s=200.0),
+    }
+    etas = peer_etas(peers, round_=3, sync_steps=10, tokens_per_step=100, now=100.0)
+    assert etas == {"near": 1.0, "far": 4.0}
+    assert wait_for_peers(peers, round_=3, sync_steps=10, tokens_per_step=100, now=100.0, cap=30.0) == 4.0
+
+
+def test_a_peer_waited_for_in_vain_is_not_waited_for_again_until_it_is_seen():
+    counts: dict[str, int] = {}
+    # a record says "liar" is about to finish, round after round, and it never comes; "slow" comes late once
+    counts = no_shows(counts, waited_for=["liar", "slow"], joined={"me", "slow"})
+    assert counts == {"liar": 1} and not excused_peers(counts)
+    counts = no_shows(counts, waited_for=["liar"], joined={"me", "slow"})
+    assert counts == {"liar": 2} and excused_peers(counts) == {"liar"} and NO_SHOW_LIMIT == 2
+    # excused, it is not waited for, and its count stays until it is seen in a group
+    counts = no_shows(counts, waited_for=[], joined={"me", "slow"})
+    assert excused_peers(counts) == {"liar"}
+    counts = no_shows(counts, waited_for=[], joined={"me", "liar"})
+    assert counts == {} and not excused_peers(counts)

@@ -59,7 +59,7 @@ from spes_node.swarm.averaging import (
     wire_compression,
 )
 from spes_node.swarm.fetch import StateFetcher
-from spes_node.swarm.progress import should_catch_up, wait_for_peers
+from spes_node.swarm.progress import excused_peers, longest_wait, no_shows, peer_etas, should_catch_up
 from spes_node.swarm.reachability import DialBackServer
 from spes_node.swarm.robust import BanList
 from spes_node.swarm.snapshots import FrozenShard, SnapshotPublisher, cpu_copy
@@ -166,6 +166,8 @@ class _Flight:
     sent_shards: dict[int, dict[str, torch.Tensor] | None]
     errors: list[str] = field(default_factory=list)
     """Steps that could not start (an averager that did not take its step in time)."""
+    waited_for: list[str] = field(default_factory=list)
+    """Peers whose records made the round wait for them (see `progress.no_shows`)."""
 
     def handles(self) -> list:
         return [self.shared, *self.shards.values()]
@@ -212,6 +214,7 @@ class SpesRound:
         """The copies of the shards this node does not train, and their refreshes."""
         self._round_started = time.perf_counter()
         self._round_seconds: float | None = None
+        self._no_shows: dict[str, int] = {}
         """How long our last round took (local steps and sync)."""
         self.updates = cfg.swarm.average == "updates"
         """Average pseudo-gradients from anchors (`swarm.average = "updates"`) instead of the weights."""
@@ -387,15 +390,17 @@ class SpesRound:
         others = live_peers(inputs.nodes, self.peer_id, self.bans.active())
         # wait for peers that are about to finish this round, so that a node that fell out of step (a pause, a slow
         # step) meets the others again instead of missing them round after round
-        extra = wait_for_peers(
-            others,
+        # ... but not for one that was waited for in vain before (a record may claim a peer about to finish forever)
+        excused = excused_peers(self._no_shows)
+        etas = peer_etas(
+            {peer: node for peer, node in others.items() if peer not in excused},
             round_=inputs.round,
             sync_steps=self.cfg.swarm.sync_steps,
             tokens_per_step=tokens_per_step(self.cfg),
             now=get_dht_time(),
-            cap=wait_cap(self._round_seconds, self.cfg.swarm.matchmaking_time),
             default_tokens_per_s=inputs.me.tokens_per_s,
         )
+        extra = longest_wait(etas, wait_cap(self._round_seconds, self.cfg.swarm.matchmaking_time))
         logger.info(
             f"round {inputs.round + 1}: looking for groups ({len(others)} live peers"
             + (f", waiting up to {extra:.1f}s more for peers about to finish" if extra > 0 else "")
@@ -434,6 +439,7 @@ class SpesRound:
                 shard: _to_host(local) if overlap else None for shard, local in shards_local.items()
             },
             errors=errors,
+            waited_for=[peer for peer, eta in etas.items() if eta > 0],
         )
 
     def _unless_stopped(
@@ -527,6 +533,8 @@ class SpesRound:
             overlapped=flight.sent_shared is not None,
         )
         report.errors.extend(flight.errors)
+        joined = set(shared_result.peers).union(*(r.peers for r in shard_results.values()))
+        self._no_shows = no_shows(self._no_shows, flight.waited_for, joined)
         resyncs = []
         for kind, key, result, averaged, local, sent, outer in groups:
             report.add_bytes(kind, result.bytes_sent, result.bytes_received)

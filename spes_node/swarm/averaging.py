@@ -192,10 +192,9 @@ class GroupAverager:
         handle for `finish`.
 
         A group we lead begins as soon as every `expected` peer (base58) has joined, or else at the end of its
-        window: the matchmaking time, plus `wait_extra` seconds for peers expected soon but at most one more
-        matchmaking time, so that one late peer (or a record that claims one) holds a whole group for at most a
-        second window. Alone, we keep looking for up to twice the matchmaking time plus `wait_extra`. The
-        all-reduce then has its own timeout."""
+        window: the matchmaking time plus `wait_extra` seconds for peers expected soon (the round bounds it, and
+        stops waiting for a peer that did not come when it was waited for: `progress.no_shows`). Alone, we keep
+        looking for up to twice the matchmaking time plus `wait_extra`. The all-reduce then has its own timeout."""
         if (anchor is not None) != (self.average == "updates"):
             raise ValueError(f"{self.prefix}: an anchor is needed to average updates, and only then")
         residual = self.averager.residual
@@ -212,8 +211,10 @@ class GroupAverager:
         wait_extra = max(0.0, wait_extra)
         matchmaking = self.matchmaking_time * 2 + wait_extra
         # hivemind's leader begins at its declared time, the scheduled one (unscheduled: the matchmaking time after
-        # the step, when a leader with one follower began without the peers that the round was waiting for)
-        window_end = get_dht_time() + self.matchmaking_time + min(wait_extra, self.matchmaking_time)
+        # the step, when a leader with one follower began without the peers that the round was waiting for). The
+        # whole wait: a window stretched by one matchmaking time at most let a node further out of step (a joiner
+        # whose download outlasted a round) miss its group round after round
+        window_end = get_dht_time() + self.matchmaking_time + wait_extra
         control = self.averager.step(
             weight=max(weight, 1e-6),
             gather=gather,

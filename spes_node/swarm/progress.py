@@ -7,6 +7,10 @@ Records and group data come from peers that may lie. Two rules keep a single pee
   two honest nodes see each other, and a node that fell behind (a restart, a long pause) catches up.
 - **Holders.** State is asked first from peers that proved themselves (served us or averaged with us), never
   from peers whose claimed round is ahead of the consensus, and peers that failed us go last (`rank_holders`).
+- **Waits.** A round waits for a peer its record says is about to finish (`wait_for_peers`), which is what brings
+  a node that fell out of step back among the others; a peer that was waited for and did not come is not waited
+  for again until it has been seen in a group (`no_shows`), so a record that claims a peer about to finish, round
+  after round, holds the swarm for a few rounds' waits, not for good.
 
 Pure functions of plain data, so every rule is unit-tested without a network.
 """
@@ -19,6 +23,8 @@ from typing import Protocol
 
 ROUND_SLACK = 1
 """A holder may be this many rounds ahead of the consensus (it finished its round a moment before us)."""
+NO_SHOW_LIMIT = 2
+"""Rounds a peer may be waited for in vain before it is no longer waited for."""
 
 
 class Holder(Protocol):
@@ -105,7 +111,8 @@ def wait_for_peers(
     cap: float,
     default_tokens_per_s: float = 0.0,
 ) -> float:
-    """Seconds to keep looking for a group beyond the matchmaking window, at most `cap`.
+    """Seconds to keep looking for a group beyond the matchmaking window, at most `cap`: the longest of
+    `peer_etas` (the round leaves out the peers `no_shows` excuses).
 
     A peer of the same round that is still training is expected at the sync when its remaining steps are done
     (its step and tokens/s as its last record says, minus the record's age). Waiting for it keeps nodes in step:
@@ -118,17 +125,59 @@ def wait_for_peers(
     nodes a round apart back into step; without it, each would average alone while the other trains, round after
     round.
     """
-    longest = 0.0
-    for node in others.values():
+    etas = peer_etas(
+        others,
+        round_=round_,
+        sync_steps=sync_steps,
+        tokens_per_step=tokens_per_step,
+        now=now,
+        default_tokens_per_s=default_tokens_per_s,
+    )
+    return longest_wait(etas, cap)
+
+
+def longest_wait(etas: Mapping[str, float], cap: float) -> float:
+    """The longest of `etas`, between 0 and `cap`."""
+    return min(max(max(etas.values(), default=0.0), 0.0), max(cap, 0.0))
+
+
+def peer_etas(
+    others: Mapping[str, Progress],
+    *,
+    round_: int,
+    sync_steps: int,
+    tokens_per_step: int,
+    now: float,
+    default_tokens_per_s: float = 0.0,
+) -> dict[str, float]:
+    """Seconds until each peer that is worth waiting for reaches this round's sync, as `wait_for_peers` reads
+    the records; peers that are not (another round, no throughput known) are left out."""
+    etas = {}
+    for peer, node in others.items():
         speed = node.tokens_per_s if node.tokens_per_s > 0 else default_tokens_per_s
         if not speed > 0:
             continue
         if node.round == round_ and node.state == "training":
             steps_left = min(max((round_ + 1) * sync_steps - node.step, 0), sync_steps)
-            eta = steps_left * tokens_per_step / speed - max(0.0, now - node.updated_at)
+            etas[peer] = steps_left * tokens_per_step / speed - max(0.0, now - node.updated_at)
         elif node.round == round_ - 1 and node.state == "averaging":
-            eta = sync_steps * tokens_per_step / speed
-        else:
-            continue
-        longest = max(longest, eta)
-    return min(max(longest, 0.0), max(cap, 0.0))
+            etas[peer] = sync_steps * tokens_per_step / speed
+    return etas
+
+
+def no_shows(
+    counts: Mapping[str, int], waited_for: Collection[str], joined: Collection[str]
+) -> dict[str, int]:
+    """After a round: how many rounds in a row each peer was waited for and did not join the group. A peer seen
+    in the group starts again from zero; peers not waited for keep their count. A peer at `NO_SHOW_LIMIT` is
+    excused from the next waits (`excused_peers`)."""
+    counts = {peer: n for peer, n in counts.items() if peer not in joined}
+    for peer in waited_for:
+        if peer not in joined:
+            counts[peer] = counts.get(peer, 0) + 1
+    return counts
+
+
+def excused_peers(counts: Mapping[str, int]) -> set[str]:
+    """Peers not to wait for: waited for in vain `NO_SHOW_LIMIT` rounds in a row."""
+    return {peer for peer, n in counts.items() if n >= NO_SHOW_LIMIT}
