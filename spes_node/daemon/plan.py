@@ -17,8 +17,8 @@ fp32 log-softmax over the vocabulary and the logits stay referenced by the model
 `train.activation_checkpointing` a layer keeps only its input, and one layer's activations are rebuilt at a time
 in backward. The backward pass then needs working memory: the two fp32 vocabulary-sized gradients of the loss,
 and per layer the residual-stream gradients and the gradient buffers of the trainable expert weights. Between
-steps, without gradients or activations, a round brings the averaged tensors to the device and the merge warm-up
-works on one layer's experts in fp32.
+steps, without gradients or activations, the merge warm-up works on one layer's experts in fp32 (a round's results
+are worked out in host memory and copied into the weights tensor by tensor).
 `compute="fp32"` is the same model without autocast (what the trainer runs on a CPU); tests/test_plan.py
 measures both on a CPU against it.
 
@@ -144,11 +144,11 @@ class MemoryPlan:
     """Activations kept for backward at the micro-batch, with the config's checkpointing setting."""
     working: int
     """Working memory on top of the above at the peak: the loss gradients, a recomputed layer and gradient buffers
-    in backward (or a round's transfers and the merge between steps, when those need more)."""
+    in backward (or the merge between steps, when that needs more)."""
     step_allocated: int
     """Peak of torch's allocated GPU memory in a training step (gradients counted whole)."""
     between_allocated: int
-    """Peak between steps, with no gradients or activations: a round's averaged tensors, or the merge warm-up."""
+    """Peak between steps, with no gradients or activations: the merge warm-up."""
     allocated: int
     """Peak of torch's allocated GPU memory, the larger of the two: the sum of the fields above."""
     margin: int
@@ -335,8 +335,9 @@ def memory_plan(
     outer = nesterov + (4 * trainable if s.overlap else 0) + anchor
     static = weights + optimizer + frozen
 
-    # between steps (no gradients, no activations): a round brings the averaged tensors of one group to the device
-    # (`rounds.apply_outer`), and the merge warm-up (`SpesRound.merge`) works on one layer's experts at a time in
+    # between steps (no gradients, no activations): a round's results are worked out in host memory and copied into
+    # the weights tensor by tensor (`anchors.apply_outer`), so the peak is the merge warm-up (`SpesRound.merge`),
+    # which works on one layer's experts at a time in
     # fp32: dense copies of the frozen shards, the concatenation, `merge_layer`'s clone and the previous layer's
     # result, the normalised gate rows, and the held experts with their gathered neighbours
     m = cfg.model
@@ -349,7 +350,7 @@ def memory_plan(
         + layer_experts // 3  # the gate rows (a third of each expert), normalised
         + 4 * held_rows * (s.merge_topk + 2) * 2 * m.expert_ffn * m.hidden_size
     )
-    between = static + max(4 * max(counts["shared"], shards_held * counts["shard"]), merge)
+    between = static + merge
 
     def totals(checkpointing: bool) -> tuple[int, int, int, int, int]:
         act = activation_bytes(cfg, shards_held, compute, checkpointing)

@@ -214,8 +214,9 @@ class SpesRound:
         """The copies of the shards this node does not train, and their refreshes."""
         self._round_started = time.perf_counter()
         self._round_seconds: float | None = None
-        self._no_shows: dict[str, int] = {}
         """How long our last round took (local steps and sync)."""
+        self._no_shows: dict[str, int] = {}
+        """Peers waited for in vain, rounds in a row (`progress.no_shows`)."""
         self.updates = cfg.swarm.average == "updates"
         """Average pseudo-gradients from anchors (`swarm.average = "updates"`) instead of the weights."""
         self._anchors: dict[str, dict[str, torch.Tensor]] = {}
