@@ -116,3 +116,33 @@ def test_robust_averagers_use_our_matchmaking():
 
     assert issubclass(SpesMatchmaking, averager_module.Matchmaking)
     assert "self._matchmaking = Matchmaking(" in inspect.getsource(averager_module.DecentralizedAverager)
+
+
+def test_stopping_cancels_running_groups_where_hivemind_raised():
+    """hivemind's averager shutdown calls finalize() on the futures of its running groups (AttributeError, a
+    traceback in the log of a node stopped mid all-reduce); ours finalizes the runners and cancels the rest."""
+    import asyncio
+
+    from hivemind.averaging.averager import DecentralizedAverager
+
+    from spes_node.swarm.robust import cancel_running_groups
+
+    class Runner:
+        cancelled = False
+
+        def finalize(self, *, cancel=False):
+            self.cancelled = cancel
+
+    async def scenario():
+        runner, started = Runner(), asyncio.get_running_loop().create_future()
+        started.set_result(runner)
+        pending = asyncio.get_running_loop().create_future()  # a group registered, its all-reduce not begun
+        groups = {b"a": started, b"b": pending}
+        with pytest.raises(AttributeError):  # hivemind's own shutdown, on the same groups
+            bare = DecentralizedAverager.__new__(DecentralizedAverager)
+            bare.client_mode, bare._running_groups = True, {b"b": pending}
+            await DecentralizedAverager._shutdown(bare, timeout=1.0)
+        assert cancel_running_groups(groups.values()) == 1
+        return runner.cancelled, pending.cancelled()
+
+    assert asyncio.run(scenario()) == (True, True)

@@ -73,7 +73,7 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator  # noqa: UP035 (hivemind reads `typing` hints to find streaming RPCs)
 
@@ -669,6 +669,14 @@ class RobustAverager(DecentralizedAverager):
             if main and previous is not None:
                 signal.signal(signal.SIGINT, previous)
 
+    async def _shutdown(self, timeout: float | None) -> None:
+        # hivemind's _shutdown calls finalize() on the futures of its running groups, which have no such method (and
+        # a runner's finalize returns nothing to wait for): a node stopped during an all-reduce logged an
+        # AttributeError traceback from each such averager. Cancel the groups' all-reduces instead.
+        if not self.client_mode:
+            await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+        cancel_running_groups(self._running_groups.values())
+
     def step(self, gather: Any = None, **kwargs):
         return super().step(gather=[gather, self._tag], **kwargs)
 
@@ -788,6 +796,19 @@ class RobustAverager(DecentralizedAverager):
             report["fraction"] = container.failed_size / max(1, sum(t.numel() for t in tensors))
             report["bytes_sent"], report["bytes_received"] = runner.bytes_sent, runner.bytes_received
             report["reducer_errors"] = {peer.to_base58(): why for peer, why in runner.reducer_errors.items()}
+
+
+def cancel_running_groups(groups: Iterable[asyncio.Future]) -> int:
+    """Cancel the all-reduces of an averager's running groups (futures of their runners, some not set yet);
+    returns how many runners were finalized."""
+    finalized = 0
+    for future in list(groups):
+        if not future.done():
+            future.cancel()
+        elif not future.cancelled() and future.exception() is None:
+            future.result().finalize(cancel=True)
+            finalized += 1
+    return finalized
 
 
 class SpesMatchmaking(Matchmaking):
