@@ -36,7 +36,7 @@ import logging
 import math
 import string
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -347,22 +347,24 @@ class NesterovOuter(OuterOptimizer):
             PlainAverage().apply(local, averaged)
             self.remember(local)
             return
-        for name, tensor in local.items():
-            grad = self.previous[name] - averaged[name].to(HOST, torch.float32)
-            v = self.velocity.setdefault(name, torch.zeros_like(grad))
-            v.mul_(self.momentum).add_(grad)
-            new = self.previous[name] - self.lr * (grad + self.momentum * v)
-            tensor.copy_(new)
-        self.remember(local)
+        self._step(
+            local, self.previous, lambda name: self.previous[name] - averaged[name].to(HOST, torch.float32)
+        )
 
     @torch.no_grad()
     def apply_update(self, local, anchor, update):
+        self._step(local, anchor, lambda name: update[name].to(HOST, torch.float32))
+
+    def _step(self, local, anchor, outer_grad: Callable[[str], torch.Tensor]) -> None:
+        """The outer step from `anchor` along `outer_grad(name)`, tensor by tensor, written into `local`; the new
+        weights, worked out in host memory, are also the next `previous` (no copy back from the training device)."""
         for name, tensor in local.items():
-            grad = update[name].to(HOST, torch.float32)
+            grad = outer_grad(name)
             v = self.velocity.setdefault(name, torch.zeros_like(grad))
             v.mul_(self.momentum).add_(grad)
-            tensor.copy_(anchor[name].to(HOST) - self.lr * (grad + self.momentum * v))
-        self.remember(local)
+            new = anchor[name] - self.lr * (grad + self.momentum * v)
+            tensor.copy_(new)
+            self.previous[name] = new
 
 
 def valid_gather(value: object) -> bool:
