@@ -14,6 +14,9 @@ setting's seeds differ only by the seed. Settings:
   quarter of H) into the next round and is applied with the progress made since;
 - spes_4x1_16e: spes_4x1 on the model with twice the experts, whose all-experts node does not fit the per-node
   memory that diloco uses (equal per-node memory; measured from the tensors).
+- spes_4x1_uneven (not in the default runs): spes_4x1 on unequal cards, whose faster nodes train while they wait
+  for the slowest (`swarm.train_while_waiting`): 0, 5, 10 and 20 steps past H a round. It spends more tokens than
+  the others, in the same rounds: it is compared with spes_4x1 at equal wall time, not at equal tokens.
 The final global model of each run is exported as a Hugging Face checkpoint and evaluated by `spes-node eval` on
 held-out text of another kind (the repository's README and docs, prose and tables, not Python source).
 """
@@ -112,6 +115,14 @@ SETUPS = {
             description="spes_4x1_overlap, the landed round blended half and half with the local weights",
         ),
         Setting("spes_4x1_16e", 4, 1, num_experts=16, description="spes_4x1 with 2x the experts"),
+        Setting(
+            "spes_4x1_uneven",
+            4,
+            1,
+            extra_steps=(0, 5, 10, 20),
+            description="spes_4x1 on unequal cards (1, 1.25, 1.5 and 2x the slowest's speed): the faster nodes "
+            "train while they wait, 5, 10 and 20 steps past H a round",
+        ),
     )
 }
 

@@ -69,6 +69,9 @@ class Setting:
     """With overlap, how the landed round meets the local weights: None adds the local progress made since to the
     round's result (the daemon's rule); a number b blends them instead, b x local + (1 - b) x result (Streaming
     DiLoCo's rule for overlapped rounds, which keeps part of the progress and part of the local drift)."""
+    extra_steps: tuple[int, ...] = ()
+    """Per node, local steps past H each round (`swarm.train_while_waiting`): a swarm of unequal cards, whose
+    faster nodes train while they wait for the slowest instead of idling; () or 0: every node trains H steps."""
     description: str = ""
 
     @property
@@ -271,8 +274,8 @@ class SimSwarm:
         return [node for node in self.nodes if node.shard == shard]
 
     def train_round(self) -> tuple[float, int]:
-        """Every node's `sync_steps` local steps, the round in flight landing after `overlap_steps` of them;
-        (mean training loss, tokens)."""
+        """Every node's `sync_steps` local steps (and its `extra_steps`), the round in flight landing after
+        `overlap_steps` of them; (mean training loss, tokens)."""
         H = self.cfg.swarm.sync_steps
         first = min(self.setting.overlap_steps, H) if self.pending is not None else 0
         losses, tokens = self._steps(first)
@@ -280,7 +283,13 @@ class SimSwarm:
             self._land()
         more, more_tokens = self._steps(H - first)
         losses += more
-        return sum(losses) / len(losses), tokens + more_tokens
+        tokens += more_tokens
+        for node, extra in zip(self.nodes, self.setting.extra_steps):
+            for _ in range(extra):
+                stats = node.trainer.train_step()
+                losses.append(stats.ce_loss)
+                tokens += stats.tokens
+        return sum(losses) / len(losses), tokens
 
     def _steps(self, count: int) -> tuple[list[float], int]:
         losses, tokens = [], 0

@@ -92,18 +92,23 @@ class Swarm:
         self.expected_deaths: set[str] = set()
 
     def start(
-        self, name: str, *args: str, config: Path | None = None, configured: bool = True
+        self,
+        name: str,
+        *args: str,
+        config: Path | None = None,
+        configured: bool = True,
+        program: tuple[str, ...] = ("-m", "spes_node.cli"),
     ) -> subprocess.Popen:
         """Start node `name` with the swarm's config file, `config`, or (not `configured`) none: the node then
         takes the swarm's config from the DHT. A node holds one shard unless `args` say otherwise (--shards auto
-        would hold every shard of tiny on this machine)."""
+        would hold every shard of tiny on this machine). `program`: what python runs (a test entry point)."""
         if not any(arg in ("--shard", "--shards", "--max-shards") for arg in args):
             args = ("--shards", "1", *args)
         node_dir = self.tmp / name
         node_dir.mkdir(exist_ok=True)
         config_args = ["--config", str(config or self.config_path)] if configured else []
         cmd = [
-            sys.executable, "-m", "spes_node.cli", "join", "--run-id", self.run_id, "--peers", self.maddr,
+            sys.executable, *program, "join", "--run-id", self.run_id, "--peers", self.maddr,
             *config_args, "--checkpoint-dir", str(node_dir), "--device", "cpu",
             "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--public-name", name, *args,
         ]  # fmt: skip

@@ -280,20 +280,25 @@ def test_host_memory_counts_a_nodes_child_processes():
         child.wait(30)
 
 
+def _sim_base(tmp_path):
+    """A one-layer model on a small corpus, H = 4, for the quality simulation's tests."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(
+        "".join(json.dumps({"text": "def f(x):\n    return x\n" * (i + 3)}) + "\n" for i in range(40))
+    )
+    return load_preset("tiny").replace(
+        model={"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_experts": 4, "expert_ffn": 32},
+        data={"source": str(corpus), "val_fraction": 0.2},
+        swarm={"sync_steps": 4, "merge_alpha0": 0.0},
+    )
+
+
 def test_simulated_overlap_applies_the_round_with_the_progress_made_since(tmp_path):
     from benchmarks.quality_sim import Setting, SimSwarm, initial_weights, reshard, setting_config
     from spes_node.model.ownership import shared_parameters
     from spes_node.model.tokenizer import load_tokenizer
 
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text(
-        "".join(json.dumps({"text": "def f(x):\n    return x\n" * (i + 3)}) + "\n" for i in range(40))
-    )
-    base = load_preset("tiny").replace(
-        model={"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_experts": 4, "expert_ffn": 32},
-        data={"source": str(corpus), "val_fraction": 0.2},
-        swarm={"sync_steps": 4, "merge_alpha0": 0.0},
-    )
+    base = _sim_base(tmp_path)
     setting = Setting("overlap", 2, 1, merge=False, overlap_steps=2)
     cfg = setting_config(base, setting, total_batch=4)
     init = reshard(initial_weights(cfg, 0), cfg.model.num_layers, 2)
@@ -335,3 +340,20 @@ def test_simulated_overlap_applies_the_round_with_the_progress_made_since(tmp_pa
     blended.land()
     for node in blended.nodes:
         assert torch.allclose(weight(node), 0.5 * local[node.index] + 0.5 * averaged, atol=1e-6)
+
+
+def test_simulated_unequal_cards_train_their_extra_steps_each_round(tmp_path):
+    from benchmarks.quality_sim import Setting, SimSwarm, initial_weights, reshard, setting_config
+    from spes_node.model.tokenizer import load_tokenizer
+
+    base = _sim_base(tmp_path)
+    setting = Setting("uneven", 2, 1, merge=False, extra_steps=(0, 3))
+    cfg = setting_config(base, setting, total_batch=4)
+    init = reshard(initial_weights(cfg, 0), cfg.model.num_layers, 2)
+    swarm = SimSwarm(cfg, setting, init, load_tokenizer(cfg.data.tokenizer), seed=0)
+    tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.train.seq_len
+    for round_ in (1, 2):
+        _, tokens = swarm.train_round()
+        swarm.sync()
+        assert [node.trainer.step for node in swarm.nodes] == [4 * round_, 7 * round_]
+        assert tokens == (4 + 7) * tokens_per_step

@@ -11,6 +11,7 @@ from spes_node.swarm.progress import (
     peer_etas,
     rank_holders,
     should_catch_up,
+    steps_to_fill,
     wait_for_peers,
 )
 
@@ -25,6 +26,7 @@ class Rec:
     step: int = 0
     tokens_per_s: float = 0.0
     updated_at: float = 0.0
+    steps_to_sync: int | None = None
 
 
 def test_a_single_inflated_claim_moves_nobody_once_two_others_are_seen():
@@ -144,6 +146,30 @@ def test_each_peer_worth_waiting_for_has_its_own_eta():
     etas = peer_etas(peers, round_=3, sync_steps=10, tokens_per_step=100, now=100.0)
     assert etas == {"near": 1.0, "far": 4.0}
     assert wait_for_peers(peers, round_=3, sync_steps=10, tokens_per_step=100, now=100.0, cap=30.0) == 4.0
+
+
+def test_a_peer_training_past_its_round_is_expected_when_its_record_says():
+    # H = 10: the peer's step (47) is past the round's H steps because it trains while waiting for others; its
+    # record says 3 steps are left: 1.5 s at 200 tokens/s, from a record 0.5 s old
+    ahead = Rec(round=3, step=47, tokens_per_s=200.0, updated_at=99.5, steps_to_sync=3)
+    etas = peer_etas({"a": ahead}, round_=3, sync_steps=10, tokens_per_step=100, now=100.0)
+    assert etas == {"a": 1.0}
+    # read by its step alone, it would look done (the sync at step 40 is behind it)
+    by_step = Rec(round=3, step=47, tokens_per_s=200.0, updated_at=99.5)
+    assert peer_etas({"a": by_step}, round_=3, sync_steps=10, tokens_per_step=100, now=100.0)["a"] < 0
+    # a record may claim any number of steps left; it is read as at most two rounds' worth (the wait is capped too)
+    liar = Rec(round=3, step=40, tokens_per_s=200.0, updated_at=100.0, steps_to_sync=10**6)
+    assert peer_etas({"l": liar}, round_=3, sync_steps=10, tokens_per_step=100, now=100.0) == {"l": 10.0}
+
+
+def test_the_steps_trained_while_waiting_fit_inside_the_wait():
+    assert steps_to_fill(5.0, 1.7) == 2, (
+        "3.4 s of steps, then 1.6 s of matchmaking: never later than the peer"
+    )
+    assert steps_to_fill(1.6, 1.7) == 0, "less than a step: wait"
+    assert steps_to_fill(3.4, 1.7) == 2
+    for wait, step in ((0.0, 1.0), (-1.0, 1.0), (5.0, 0.0), (float("nan"), 1.0)):
+        assert steps_to_fill(wait, step) == 0
 
 
 def test_a_peer_waited_for_in_vain_is_not_waited_for_again_until_it_is_seen():

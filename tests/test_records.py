@@ -105,6 +105,7 @@ def _info(peer_id: str, **overrides) -> NodeInfo:
         loss_history=[4.0, 3.5, 3.25],
         bytes_sent=10**12,
         bytes_received=42,
+        steps_to_sync=0,
     )
     return NodeInfo(**(fields | overrides))
 
@@ -119,13 +120,19 @@ def test_node_round_trip_between_dhts(peers, run_id):
     before = get_dht_time()
     assert publish_node(a.dht, run_id, _info(a.peer_id), a.validator, EXPIRATION_S)
     assert publish_node(
-        b.dht, run_id, _info(b.peer_id, shards=[0], state="joining"), b.validator, EXPIRATION_S
+        b.dht,
+        run_id,
+        _info(b.peer_id, shards=[0], state="joining", steps_to_sync=None),
+        b.validator,
+        EXPIRATION_S,
     )
 
     seen_by_b = fetch_nodes(b.dht, run_id, num_shards=4)
     assert set(seen_by_b) == {a.peer_id, b.peer_id}
     assert _without_times(seen_by_b[a.peer_id]) == _info(a.peer_id)
-    assert _without_times(seen_by_b[b.peer_id]) == _info(b.peer_id, shards=[0], state="joining")
+    assert _without_times(seen_by_b[b.peer_id]) == _info(
+        b.peer_id, shards=[0], state="joining", steps_to_sync=None
+    )
     record = seen_by_b[a.peer_id]
     assert before <= record.updated_at <= get_dht_time()
     assert math.isclose(record.expires_at, record.updated_at + EXPIRATION_S, abs_tol=1e-3)
@@ -181,6 +188,7 @@ def test_bad_records_are_skipped_with_one_warning_each(peers, run_id, caplog):
         b"QmNaN" + owned: NodeRecord(peer_id="QmNaN", loss=math.nan).SerializeToString(),
         b"QmShard" + owned: NodeRecord(peer_id="QmShard", shards=[4]).SerializeToString(),
         b"QmEscape" + owned: NodeRecord(peer_id="QmEscape", public_name="\x1b[2J").SerializeToString(),
+        b"QmAhead" + owned: NodeRecord(peer_id="QmAhead", steps_to_sync=2**31).SerializeToString(),
         b"QmUnsigned": NodeRecord(peer_id="QmUnsigned").SerializeToString(),
     }
     for subkey, value in bad_values.items():
@@ -212,6 +220,7 @@ def test_bad_records_are_skipped_with_one_warning_each(peers, run_id, caplog):
         "not finite",
         "num_shards",
         "control",
+        "steps_to_sync is above",
         "not signed",
     ):
         assert any(needle in w.getMessage() for w in warnings), needle

@@ -70,6 +70,31 @@ def test_a_paused_node_neither_stalls_the_other_nor_drops_out_of_its_groups(make
     assert any(r["shared_group"] == 2 for r in rounds[2:]), rounds
 
 
+SLOW_NODE = Path(__file__).parent / "slow_node.py"
+
+
+def test_a_faster_node_trains_while_it_waits_for_a_slower_one_and_both_still_meet(make_swarm):
+    # one node's steps take 0.6 s longer (a slower card): at each sync the other reads its record (steps left,
+    # tokens/s) and trains through the wait instead of idling, then both average in the same groups
+    swarm = make_swarm(matchmaking_time=6.0, averaging_timeout=30.0)
+    rounds, H = 5, swarm.cfg.swarm.sync_steps
+    swarm.start("fast", "--max-rounds", str(rounds), "--wait-peers", "2")
+    swarm.start("slow", "--max-rounds", str(rounds), "--wait-peers", "2", program=(str(SLOW_NODE), "0.6"))
+    for name in ("fast", "slow"):
+        assert swarm.wait_exit(name, 300) == 0, swarm.log(name)[-3000:]
+    fast, slow = swarm.summary("fast")["rounds"], swarm.summary("slow")["rounds"]
+    print("\nsteps and shared group per round, fast:", [(r["steps"], r["shared_group"]) for r in fast])
+    print("slow:", [(r["steps"], r["shared_group"]) for r in slow])
+    assert len(fast) == len(slow) == rounds
+    # they met every round: the extra steps end before the slower node comes
+    assert all(r["shared_group"] == 2 for r in fast + slow), (fast, slow)
+    # the faster node trained past H while waiting (once both report a throughput: from the second round on)
+    assert max(r["steps"] for r in fast) > H, fast
+    assert sum(r["steps"] for r in fast) > sum(r["steps"] for r in slow) + H, (fast, slow)
+    assert "meanwhile" in swarm.log("fast"), swarm.log("fast")[-3000:]
+    assert all(r["steps"] >= H for r in slow), slow
+
+
 def test_a_node_restarted_behind_the_swarm_takes_its_shard_from_a_live_replica(make_swarm):
     # one shard, so that the live node stays a replica of it: with two, placement moves the node left alone to the
     # uncovered shard, and the restarted node's shard came from the live node's frozen copy

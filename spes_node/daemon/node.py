@@ -52,7 +52,7 @@ from spes_node.model.tokenizer import load_tokenizer
 from spes_node.procs import NodeDHT, kill_tree
 from spes_node.swarm import reachability, records, relay
 from spes_node.swarm.identity import load_or_create_identity
-from spes_node.swarm.progress import ROUND_SLACK, consensus_round, should_catch_up
+from spes_node.swarm.progress import ROUND_SLACK, consensus_round, should_catch_up, steps_to_fill
 from spes_node.swarm.swarm_key import SwarmKey
 
 logger = logging.getLogger(__name__)
@@ -132,6 +132,10 @@ class Node:
         self.stop_event = threading.Event()
         self.rounds_done = 0
         self.steps_into_round = 0
+        self.extra_steps = 0
+        """Steps past H this round, trained while waiting for slower peers (`_steps_while_waiting`)."""
+        self._waiting_planned = False
+        self._round_step_seconds: list[float] = []
         self.tokens_since_sync = 0
         self.round_losses: list[float] = []
         self._heartbeat: threading.Thread | None = None
@@ -461,7 +465,9 @@ class Node:
             logger.info(f"the swarm finished round {target} during the download: joining it there")
             self.status.round = target
         steps = consensus_round(
-            n.step - self.status.round * H for n in live.values() if n.round == self.status.round
+            (H - n.steps_to_sync if n.steps_to_sync is not None else n.step - self.status.round * H)
+            for n in live.values()
+            if n.round == self.status.round
         )
         if steps is None or not 0 < steps < H:
             steps = 0
@@ -797,12 +803,14 @@ class Node:
             if self.opts.max_rounds is not None and self.rounds_done >= self.opts.max_rounds:
                 break
             self.status.state = "training"
-            while self.steps_into_round < H and not self.stop_event.is_set():
+            while self.steps_into_round < H + self.extra_steps and not self.stop_event.is_set():
                 self.sync.apply_pending()
                 self.status.add_bytes("refresh", 0, self.sync.take_refresh_bytes())
                 if self.sync.round_ready():
                     self._complete_round()
+                started = time.perf_counter()
                 stats = self.trainer.train_step()
+                self._round_step_seconds.append(time.perf_counter() - started)
                 self.steps_into_round += 1
                 self.tokens_since_sync += stats.tokens
                 self.status.tokens += stats.tokens
@@ -820,7 +828,7 @@ class Node:
                         f"lr {stats.lr:.2e} grad_norm {stats.grad_norm:.2f} tokens/s {self.status.tokens_per_s:.0f}"
                     )
                     self.metrics.update(self.status, self.sync.last_report, step=self.trainer.step)
-                if self.steps_into_round < H:  # at H the round's end checkpoints, when due
+                if self.steps_into_round < H + self.extra_steps:  # the round's end checkpoints, when due
                     self.checkpoint_if_due()
             if self.stop_event.is_set():
                 break
@@ -828,8 +836,11 @@ class Node:
                 self._complete_round()
             last = self.opts.max_rounds is not None and self.rounds_done + 1 >= self.opts.max_rounds
             overlap = self.cfg.swarm.overlap and not last
+            if not overlap and self._steps_while_waiting():
+                continue
             self._begin_round(overlap)
             self.steps_into_round = 0
+            self.extra_steps, self._waiting_planned, self._round_step_seconds = 0, False, []
             self.tokens_since_sync = 0
             if not overlap:
                 self._complete_round()
@@ -839,6 +850,32 @@ class Node:
             # frozen experts changed: the final checkpoint is not a duplicate of the last one
             self.checkpoint_writer.key = None
         self.status.add_bytes("refresh", 0, self.sync.take_refresh_bytes())
+
+    def _steps_while_waiting(self) -> int:
+        """At the sync: the steps to train before it, instead of idling while the peers of our groups finish theirs.
+
+        Once a round: the records are read, the round's wait for its slowest expected peer is worked out as the
+        round itself will (`SpesRound.wait_ahead`), and as many whole steps as fit in it at this round's step
+        time are added to the round (`progress.steps_to_fill`). The record then announces them, so that a peer
+        reaching the sync meanwhile waits for us in turn. The wait that is left, less than a step, is spent in
+        matchmaking as before."""
+        if not self.cfg.swarm.train_while_waiting or self._waiting_planned or not self._round_step_seconds:
+            return 0
+        self._waiting_planned = True
+        nodes = records.fetch_nodes(
+            self.dht, self.opts.run_id, self.cfg.swarm.num_shards, stop=self.stop_event
+        )
+        wait = self.sync.wait_ahead(nodes, self.status.round, self.node_info())
+        step_seconds = sum(self._round_step_seconds) / len(self._round_step_seconds)
+        steps = steps_to_fill(wait, step_seconds)
+        if steps:
+            self.extra_steps += steps
+            logger.info(
+                f"round {self.status.round + 1}: peers are {wait:.1f}s from the sync: training {steps} more "
+                f"step{'s' if steps > 1 else ''} meanwhile"
+            )
+            self.publish_record()
+        return steps
 
     def _begin_round(self, overlap: bool) -> None:
         """Announce that we average, read the swarm's records (the round's one read) and start the all-reduces.
@@ -859,6 +896,7 @@ class Node:
             nodes=nodes,
             me=self.node_info(),
             data_part=self.data_part,
+            steps=self.steps_into_round,
         )
         self.sync.begin_round(inputs, overlap=overlap)
         if overlap:
@@ -999,7 +1037,14 @@ class Node:
             bytes_sent=sum(self.status.bytes_sent.values()),
             bytes_received=sum(self.status.bytes_received.values()),
             data_part=self.data_part[0] if self.data_part is not None else None,
+            steps_to_sync=self._steps_to_sync(),
         )
+
+    def _steps_to_sync(self) -> int | None:
+        """Steps left before this node syncs in its round, while it trains (None otherwise)."""
+        if self.status.state != "training" or self.cfg is None:
+            return None
+        return max(self.cfg.swarm.sync_steps + self.extra_steps - self.steps_into_round, 0)
 
     def publish_record(self) -> None:
         records.publish_node(

@@ -84,6 +84,8 @@ class RoundInputs:
     me: records.NodeInfo
     """The node's own record as it is now."""
     data_part: tuple[int, int]
+    steps: int = 0
+    """Local steps of the round: H, plus any trained while waiting for slower peers."""
 
 
 @dataclass
@@ -125,6 +127,8 @@ class RoundReport:
     anchors: dict[str, str] = field(default_factory=dict)
     """Averaging updates: each group's anchor id after the round ("shared", "shard<j>"); nodes whose ids are
     equal hold the same weights there."""
+    steps: int = 0
+    """Local steps of the round: H, plus any trained while waiting for slower peers."""
 
     def add_bytes(self, kind: str, sent: int, received: int) -> None:
         self.bytes_sent[kind] = self.bytes_sent.get(kind, 0) + sent
@@ -151,6 +155,7 @@ class RoundReport:
             "caught_up": self.caught_up,
             "resynced": list(self.resynced),
             "anchors": dict(self.anchors),
+            "steps": self.steps,
         }
 
 
@@ -217,6 +222,8 @@ class SpesRound:
         """How long our last round took (local steps and sync)."""
         self._no_shows: dict[str, int] = {}
         """Peers waited for in vain, rounds in a row (`progress.no_shows`)."""
+        self._waited_ahead: set[str] = set()
+        """Peers the node trained extra steps for before this round (`wait_ahead`): waited for, for the no-shows."""
         self.updates = cfg.swarm.average == "updates"
         """Average pseudo-gradients from anchors (`swarm.average = "updates"`) instead of the weights."""
         self._anchors: dict[str, dict[str, torch.Tensor]] = {}
@@ -385,23 +392,13 @@ class SpesRound:
         `complete_round` later applies the average together with the local progress made since."""
         self.finish_pending()
         gather = (inputs.round, inputs.step, inputs.tokens_since_sync)
+        # steps past H (trained while waiting for slower peers) weigh nothing more: every reducer counts a weight
+        # as at most H steps' tokens (`max_weight`), so that no peer can claim most of a group's average
         weight = float(max(inputs.tokens_since_sync, 1))
         shared_local = shared_parameters(self.model)
         shards_local = {shard: shard_tensors(self.model, shard) for shard in self.shards}
         others = live_peers(inputs.nodes, self.peer_id, self.bans.active())
-        # wait for peers that are about to finish this round, so that a node that fell out of step (a pause, a slow
-        # step) meets the others again instead of missing them round after round
-        # ... but not for one that was waited for in vain before (a record may claim a peer about to finish forever)
-        excused = excused_peers(self._no_shows)
-        etas = peer_etas(
-            {peer: node for peer, node in others.items() if peer not in excused},
-            round_=inputs.round,
-            sync_steps=self.cfg.swarm.sync_steps,
-            tokens_per_step=tokens_per_step(self.cfg),
-            now=get_dht_time(),
-            default_tokens_per_s=inputs.me.tokens_per_s,
-        )
-        extra = longest_wait(etas, wait_cap(self._round_seconds, self.cfg.swarm.matchmaking_time))
+        extra, etas = self._expected_wait(inputs.nodes, inputs.round, inputs.me)
         logger.info(
             f"round {inputs.round + 1}: looking for groups ({len(others)} live peers"
             + (f", waiting up to {extra:.1f}s more for peers about to finish" if extra > 0 else "")
@@ -440,8 +437,38 @@ class SpesRound:
                 shard: _to_host(local) if overlap else None for shard, local in shards_local.items()
             },
             errors=errors,
-            waited_for=[peer for peer, eta in etas.items() if eta > 0],
+            waited_for=sorted(self._waited_ahead | {peer for peer, eta in etas.items() if eta > 0}),
         )
+        self._waited_ahead = set()
+
+    def wait_ahead(self, nodes: Mapping[str, records.NodeInfo], round_: int, me: records.NodeInfo) -> float:
+        """Before the round: the seconds its groups would wait for peers about to finish it, which the node trains
+        through instead of idling (`progress.steps_to_fill`). Those peers count as waited for: if they do not come,
+        they are no-shows, as if the round itself had waited (a record claiming a peer about to finish would
+        otherwise stretch every round by a wait's worth of steps, for good)."""
+        wait, etas = self._expected_wait(nodes, round_, me)
+        self._waited_ahead = {peer for peer, eta in etas.items() if eta > 0}
+        return wait
+
+    def _expected_wait(
+        self, nodes: Mapping[str, records.NodeInfo], round_: int, me: records.NodeInfo
+    ) -> tuple[float, dict[str, float]]:
+        """Seconds this round's groups wait beyond the matchmaking window, and each peer's eta.
+
+        A round waits for peers about to finish it, so that a node that fell out of step (a pause, a slow step)
+        meets the others again instead of missing them round after round; but not for a peer that was waited for
+        in vain before (a record may claim a peer about to finish forever), and at most `wait_cap`."""
+        others = live_peers(nodes, self.peer_id, self.bans.active())
+        excused = excused_peers(self._no_shows)
+        etas = peer_etas(
+            {peer: node for peer, node in others.items() if peer not in excused},
+            round_=round_,
+            sync_steps=self.cfg.swarm.sync_steps,
+            tokens_per_step=tokens_per_step(self.cfg),
+            now=get_dht_time(),
+            default_tokens_per_s=me.tokens_per_s,
+        )
+        return longest_wait(etas, wait_cap(self._round_seconds, self.cfg.swarm.matchmaking_time)), etas
 
     def _unless_stopped(
         self, start: Callable[[], StepHandle], key: str, errors: list[str], timeout: float | None = None
@@ -532,6 +559,7 @@ class SpesRound:
             shared_group=shared_result.group_size,
             shard_groups={shard: r.group_size for shard, r in shard_results.items()},
             overlapped=flight.sent_shared is not None,
+            steps=inputs.steps,
         )
         report.errors.extend(flight.errors)
         joined = set(shared_result.peers).union(*(r.peers for r in shard_results.values()))
@@ -584,6 +612,11 @@ class SpesRound:
             f"round {report.round} done: loss {report.loss:.4f}, shared group {report.shared_group}, {shard_groups}, "
             f"{(summary['bytes_shared'] + summary['bytes_shard']) / 1e6:.2f} MB averaged, {report.seconds:.1f}s"
             + (" (overlapped)" if report.overlapped else "")
+            + (
+                f", {report.steps - self.cfg.swarm.sync_steps} steps trained while waiting"
+                if report.steps > self.cfg.swarm.sync_steps
+                else ""
+            )
             + (", merged" if report.merged else "")
             + (f", refreshed {report.refreshed}" if report.refreshed else "")
             + (f", caught up to round {report.caught_up}" if report.caught_up is not None else "")

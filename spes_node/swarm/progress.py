@@ -8,9 +8,11 @@ Records and group data come from peers that may lie. Two rules keep a single pee
 - **Holders.** State is asked first from peers that proved themselves (served us or averaged with us), never
   from peers whose claimed round is ahead of the consensus, and peers that failed us go last (`rank_holders`).
 - **Waits.** A round waits for a peer its record says is about to finish (`wait_for_peers`), which is what brings
-  a node that fell out of step back among the others; a peer that was waited for and did not come is not waited
-  for again until it has been seen in a group (`no_shows`), so a record that claims a peer about to finish, round
-  after round, holds the swarm for a few rounds' waits, not for good.
+  a node that fell out of step back among the others. The node trains while it waits, for as many whole steps as
+  the wait holds (`steps_to_fill`), and its record announces the steps it has left, so that others can wait for
+  it in turn. A peer that was waited for and did not come is not waited for again until it has been seen in a
+  group (`no_shows`), so a record that claims a peer about to finish, round after round, holds the swarm for a few
+  rounds' waits, not for good.
 
 Pure functions of plain data, so every rule is unit-tested without a network.
 """
@@ -96,6 +98,7 @@ def rank_holders(
 class Progress(Protocol):
     round: int
     step: int
+    steps_to_sync: int | None
     state: str
     tokens_per_s: float
     updated_at: float
@@ -158,11 +161,23 @@ def peer_etas(
         if not speed > 0:
             continue
         if node.round == round_ and node.state == "training":
-            steps_left = min(max((round_ + 1) * sync_steps - node.step, 0), sync_steps)
+            if node.steps_to_sync is not None:  # it may train past step H while waiting for others
+                steps_left = min(node.steps_to_sync, 2 * sync_steps)
+            else:
+                steps_left = min(max((round_ + 1) * sync_steps - node.step, 0), sync_steps)
             etas[peer] = steps_left * tokens_per_step / speed - max(0.0, now - node.updated_at)
         elif node.round == round_ - 1 and node.state == "averaging":
             etas[peer] = sync_steps * tokens_per_step / speed
     return etas
+
+
+def steps_to_fill(wait: float, step_seconds: float) -> int:
+    """Whole training steps that fit in `wait` seconds (the round's wait for its slowest expected peer) at
+    `step_seconds` a step: a node that reaches the sync first trains them instead of idling, and still arrives
+    before the peer it waits for (so that the peer, which reads its record, need not wait for it in turn)."""
+    if not (wait > 0 and step_seconds > 0):
+        return 0
+    return int(wait // step_seconds)
 
 
 def no_shows(
