@@ -9,8 +9,9 @@ The daemon runs unchanged; a few methods are wrapped to record what the benchmar
 - the resident-set size after imports and its high-water mark at shutdown (training process only).
 
 Switches, all from the environment:
-- `SPES_BENCH_NO_SYNC=1`: a round does nothing but count itself (no averaging, refresh or merge); the loop, its
-  per-round checkpoints and `--max-rounds` stay, so the run is "the same loop with syncing turned off".
+- `SPES_BENCH_NO_SYNC=1`: a round does nothing but count itself (no averaging, refresh or merge, no training on
+  while waiting for peers); the loop, its per-round checkpoints and `--max-rounds` stay, so the run is "the same
+  loop with syncing turned off".
 - `SPES_BENCH_DATA_PART=i/n`: read data part i of n. Nodes that start together compute their part before they
   see each other's records, so two replicas of a shard can pick the same part; the benchmarks pin parts to
   compare methods on disjoint data. The part the node would have chosen is recorded too.
@@ -104,6 +105,11 @@ def _wrap_complete_round(original):
     return complete_round
 
 
+def _no_wait(self: SpesRound, *args, **kwargs) -> float:
+    """Without syncs nobody waits for peers, so nobody trains on past H while waiting for them either."""
+    return 0.0
+
+
 def _skip_round(sync: SpesRound) -> RoundReport:
     flight, sync._inflight = sync._inflight, None
     report = RoundReport(
@@ -113,6 +119,7 @@ def _skip_round(sync: SpesRound) -> RoundReport:
         data_part=flight.inputs.data_part,
         shared_group=1,
         shard_groups={shard: 1 for shard in sync.shards},
+        steps=flight.inputs.steps,
     )
     sync.last_report = report.as_dict()
     return report
@@ -166,6 +173,8 @@ def install() -> None:
     Node._begin_round = _wrap_node_begin_round(Node._begin_round)
     SpesRound.begin_round = _wrap_begin_round(SpesRound.begin_round)
     SpesRound.complete_round = _wrap_complete_round(SpesRound.complete_round)
+    if TIMELINE["no_sync"]:
+        SpesRound.wait_ahead = _no_wait
     Node.startup = _wrap_startup(Node.startup)
     Node.shutdown = _wrap_shutdown(Node.shutdown)
     node_module.data_part = _wrap_data_part(node_module.data_part)

@@ -15,7 +15,8 @@ that slowdown is not in the share-of-time ratio, and the mean step time of each 
 The headline is the run with the preset's own `swarm.overlap` (as published when it is off); both are reported,
 "as published" and "overlap". `--variants` can add `sync_int8` and `overlap_int8`: the same with int8
 pseudo-gradients on the wire (`swarm.average = "updates"`, `swarm.wire_compression = "int8"`), half the fp16
-weights' bytes per all-reduce.
+weights' bytes per all-reduce, and `sync_idle`: the sync as published before nodes trained while waiting for
+slower peers (`swarm.train_while_waiting = false`: a node that reaches the sync first idles in matchmaking).
 
 `--rate-mbit R` runs every node in its own network namespace behind a link shaped to R Mbit/s each way
 (`benchmarks/netns.py`, tbf on each node's veth pair, as in the link benchmark), so that the sync's transfers take
@@ -61,29 +62,37 @@ def node_rate(node: NodeRun, sync_steps: int) -> dict:
         raise RuntimeError(
             f"{node.name}: needs 2 rounds of {sync_steps} steps, has {len(rounds)} and {len(steps)}"
         )
-    start, end = steps[sync_steps - 1][0], steps[-1][0]
-    tokens = sum(s[1] for s in steps[sync_steps:])
+    # round 1's steps: those before its sync began (H, or more where the node trained while waiting for peers)
+    first = sum(1 for s in steps if s[0] <= rounds[0]["start"])
+    start, end = steps[first - 1][0], steps[-1][0]
+    tokens = sum(s[1] for s in steps[first:])
     run_start, run_end = steps[0][0], max(rounds[-1]["end"], steps[-1][0])
     run_tokens = sum(s[1] for s in steps[1:])
-    compute = sum(s[2] for s in steps[sync_steps:])
+    compute = sum(s[2] for s in steps[first:])
     return {
         "tokens_per_s": tokens / (end - start),
         "compute_share": compute / (end - start),
         "steady_seconds": end - start,
         "steady_tokens": tokens,
         "whole_run_tokens_per_s": run_tokens / (run_end - run_start),
-        "step_seconds_mean": compute / len(steps[sync_steps:]),
+        "step_seconds_mean": compute / len(steps[first:]),
         "round_seconds": [r["end"] - r["start"] for r in rounds],
+        "round_steps": [r.get("report", {}).get("steps") for r in rounds],
     }
 
 
-VARIANTS = ("sync", "no_sync", "overlap", "sync_int8", "overlap_int8")
+VARIANTS = ("sync", "no_sync", "overlap", "sync_int8", "overlap_int8", "sync_idle")
 INT8_UPDATES = {"average": "updates", "wire_compression": "int8"}
 
 
 def config(settings: dict, variant: str) -> SpesConfig:
     n, S = settings["num_nodes"], settings["num_shards"]
-    swarm = {"num_shards": S, "replication_target": n // S, "overlap": variant.startswith("overlap")}
+    swarm = {
+        "num_shards": S,
+        "replication_target": n // S,
+        "overlap": variant.startswith("overlap"),
+        "train_while_waiting": not variant.endswith("_idle"),
+    }
     return load_preset(settings["preset"]).replace(
         swarm={**swarm, **(INT8_UPDATES if variant.endswith("_int8") else {})}
     )
@@ -139,7 +148,7 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
         **{
             f"throughput_ratio_{name}": variants[name]["compute_share"] / share
             for name in variants
-            if name.endswith("_int8")
+            if name.endswith(("_int8", "_idle"))
         },
         "method": "headline: share of wall time in training steps (steady state), with sync / without sync",
         "variants": variants,
@@ -154,6 +163,7 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
                 "raw ratio",
                 "step s",
                 "round s",
+                "steps/round",
                 "load",
             ],
             [
@@ -166,6 +176,7 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
                     v["step_seconds_mean"],
                     sum(sum(r["round_seconds"]) / len(r["round_seconds"]) for r in v["nodes"])
                     / len(v["nodes"]),
+                    _mean_round_steps(v["nodes"]),
                     v["load"]["loadavg_1min_mean"],
                 ]
                 for name, v in variants.items()
@@ -187,10 +198,16 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
                 # the suite's name for it (run_all); left out, latest.json kept another run's raw ratio
                 "throughput_raw_tokens_per_s_ratio": results["raw_tokens_per_s_ratio"],
                 "throughput_link_mbit": rate,
-                **{key: value for key, value in results.items() if key.endswith("_int8")},
+                **{key: value for key, value in results.items() if key.endswith(("_int8", "_idle"))},
             }
         )
     return results
+
+
+def _mean_round_steps(nodes: list[dict]) -> float | None:
+    """Local steps per round over every node's rounds (H, plus steps trained while waiting for peers)."""
+    steps = [s for node in nodes for s in node["round_steps"] if s is not None]
+    return sum(steps) / len(steps) if steps else None
 
 
 def _network(num_nodes: int, rate_mbit: float | None):

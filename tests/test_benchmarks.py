@@ -357,3 +357,21 @@ def test_simulated_unequal_cards_train_their_extra_steps_each_round(tmp_path):
         swarm.sync()
         assert [node.trainer.step for node in swarm.nodes] == [4 * round_, 7 * round_]
         assert tokens == (4 + 7) * tokens_per_step
+
+
+def test_throughput_steady_state_begins_at_the_first_sync_whatever_round_1_trained():
+    from benchmarks.swarm import NodeRun
+    from benchmarks.throughput import node_rate
+
+    # H = 2; round 1 trained one step past H while waiting (3 steps of 1 s, 100 tokens each), then a 2 s sync,
+    # round 2's 2 steps and a 2 s sync, round 3's 2 steps
+    steps = [[t, 100, 1.0] for t in (1.0, 2.0, 3.0, 6.0, 7.0, 10.0, 11.0)]
+    rounds = [
+        {"start": 4.0, "end": 5.0, "report": {"steps": 3}},
+        {"start": 8.0, "end": 9.0, "report": {"steps": 2}},
+    ]
+    rate = node_rate(NodeRun("n", Path("."), Path("n.log"), timeline={"steps": steps, "rounds": rounds}), 2)
+    # steady state: from the end of round 1's last step (3.0) to the last step (11.0): 4 steps in 8 s
+    assert rate["steady_seconds"] == 8.0 and rate["steady_tokens"] == 400
+    assert rate["compute_share"] == 0.5
+    assert rate["round_steps"] == [3, 2]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -124,18 +125,22 @@ def test_a_node_restarted_behind_the_swarm_takes_its_shard_from_a_live_replica(m
         "the restarted node to catch up",
     )  # fmt: skip
     assert int(found[1]) == stopped_at and int(found[2]) >= stopped_at + 5, found[0]
-    step = int(found[3])
+    step, round_ = int(found[3]), int(found[2])
     caught_up = _checkpoint_at(swarm, "restarted", step)
-    live = _checkpoint_at(swarm, "live", step)
-    assert caught_up.meta["round"] == live.meta["round"] == int(found[2])
+    # the live node's checkpoint at the end of that round (its step may be past round x H: it trains while it
+    # waits for the restarted node to come to a sync)
+    live_rounds = _checkpoint_rounds(swarm, "live")
+    live_step = min(s for s, r in live_rounds.items() if r == round_)
+    live = _checkpoint_at(swarm, "live", live_step)
+    assert caught_up.meta["round"] == live.meta["round"] == round_
     # the shared parameters are of the round caught up to; the shard is of that round or a later one (the live
     # node trains on between the two downloads: a loaded run saw the shard one round newer)
     later = [
         live,
         *(
             _checkpoint_at(swarm, "live", s)
-            for s in _checkpoint_paths(swarm, "live")
-            if step < s <= step + 50
+            for s, r in sorted(live_rounds.items())
+            if s > live_step and r <= round_ + 10
         ),
     ]
     for name, tensor in live.tensors.items():
@@ -151,6 +156,14 @@ def test_a_node_restarted_behind_the_swarm_takes_its_shard_from_a_live_replica(m
 def _checkpoint_paths(swarm: Swarm, name: str) -> dict[int, Path]:
     """The node's complete checkpoints by step."""
     return {int(p.name.rsplit("-", 1)[-1]): p for p in CheckpointManager(swarm.tmp / name).list()}
+
+
+def _checkpoint_rounds(swarm: Swarm, name: str) -> dict[int, int]:
+    """The round of each of the node's complete checkpoints, by step (from their meta.json)."""
+    return {
+        step: json.loads((path / "meta.json").read_text())["meta"]["round"]
+        for step, path in _checkpoint_paths(swarm, name).items()
+    }
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
