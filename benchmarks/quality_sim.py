@@ -278,24 +278,27 @@ class SimSwarm:
         `overlap_steps` of them; (mean training loss, tokens)."""
         H = self.cfg.swarm.sync_steps
         first = min(self.setting.overlap_steps, H) if self.pending is not None else 0
-        losses, tokens = self._steps(first)
+        losses, tokens = self._steps(0, first)
         if self.pending is not None:
             self._land()
-        more, more_tokens = self._steps(H - first)
+        more, more_tokens = self._steps(first, H)
         losses += more
         tokens += more_tokens
+        # at the learning rate of the round's end, as the daemon runs steps past H
         for node, extra in zip(self.nodes, self.setting.extra_steps):
             for _ in range(extra):
-                stats = node.trainer.train_step()
+                stats = node.trainer.train_step((self.round + 1) * H)
                 losses.append(stats.ce_loss)
                 tokens += stats.tokens
         return sum(losses) / len(losses), tokens
 
-    def _steps(self, count: int) -> tuple[list[float], int]:
+    def _steps(self, begin: int, end: int) -> tuple[list[float], int]:
+        """Steps `begin` to `end` of the round on every node."""
+        H = self.cfg.swarm.sync_steps
         losses, tokens = [], 0
         for node in self.nodes:
-            for _ in range(count):
-                stats = node.trainer.train_step()
+            for k in range(begin, end):
+                stats = node.trainer.train_step(self.round * H + k)
                 losses.append(stats.ce_loss)
                 tokens += stats.tokens
         return losses, tokens

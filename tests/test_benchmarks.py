@@ -316,7 +316,7 @@ def test_simulated_overlap_applies_the_round_with_the_progress_made_since(tmp_pa
     averaged = (weight(a) + weight(b)) / 2
     assert torch.allclose(swarm.global_weights()[name], averaged)
     before = {node.index: weight(node) for node in swarm.nodes}
-    swarm._steps(2)
+    swarm._steps(0, 2)
     progress = {node.index: weight(node) - before[node.index] for node in swarm.nodes}
     assert all(p.abs().max() > 0 for p in progress.values())
     swarm.land()
@@ -335,7 +335,7 @@ def test_simulated_overlap_applies_the_round_with_the_progress_made_since(tmp_pa
     blended.train_round()
     blended.sync()
     averaged = (weight(blended.nodes[0]) + weight(blended.nodes[1])) / 2
-    blended._steps(2)
+    blended._steps(0, 2)
     local = {node.index: weight(node) for node in blended.nodes}
     blended.land()
     for node in blended.nodes:

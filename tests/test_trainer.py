@@ -151,6 +151,10 @@ def test_trainer_applies_the_scheduled_lr():
         assert stats.lr == pytest.approx(lr_at(step, cfg))
         assert all(group["lr"] == stats.lr for group in trainer.optimizer.param_groups)
     assert trainer.step == 3
+    # a node past H steps in its round (training while it waits) runs at the swarm's step, not its own count
+    stats = trainer.train_step(schedule_step=1)
+    assert stats.lr == pytest.approx(lr_at(1, cfg)) and stats.lr != pytest.approx(lr_at(3, cfg))
+    assert trainer.step == 4
 
 
 def test_weight_decay_only_on_matrices():

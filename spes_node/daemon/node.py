@@ -809,7 +809,7 @@ class Node:
                 if self.sync.round_ready():
                     self._complete_round()
                 started = time.perf_counter()
-                stats = self.trainer.train_step()
+                stats = self.trainer.train_step(self.status.round * H + min(self.steps_into_round, H))
                 self._round_step_seconds.append(time.perf_counter() - started)
                 self.steps_into_round += 1
                 self.tokens_since_sync += stats.tokens

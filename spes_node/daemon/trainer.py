@@ -84,10 +84,15 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def train_step(self) -> StepStats:
+    def train_step(self, schedule_step: int | None = None) -> StepStats:
+        """One optimiser step, at the learning rate of `schedule_step` (default: this trainer's own step count).
+
+        A node passes the swarm's step (its round x H plus its steps into the round, at most H): a node that
+        trains past H while waiting for slower peers would otherwise run ahead on the schedule and reach its lowest
+        rate long before the swarm."""
         t = self.cfg.train
         start = time.perf_counter()
-        lr = lr_at(self.step, self.cfg)
+        lr = lr_at(self.step if schedule_step is None else schedule_step, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
