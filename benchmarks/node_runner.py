@@ -64,8 +64,8 @@ def _counters(node: Node) -> dict:
 
 
 def _wrap_train_step(original):
-    def train_step(self: Trainer):
-        stats = original(self)
+    def train_step(self: Trainer, *args, **kwargs):
+        stats = original(self, *args, **kwargs)
         TIMELINE["steps"].append([time.time(), stats.tokens, stats.seconds])
         return stats
 

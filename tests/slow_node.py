@@ -15,8 +15,8 @@ from spes_node.daemon.trainer import Trainer
 def slowed(seconds: float):
     original = Trainer.train_step
 
-    def train_step(self: Trainer):
-        stats = original(self)
+    def train_step(self: Trainer, *args, **kwargs):
+        stats = original(self, *args, **kwargs)
         time.sleep(seconds)  # the slower card's extra time per step (the fault this entry point stands for)
         return stats
 

@@ -5,13 +5,13 @@ from dataclasses import dataclass, field
 
 from spes_node.swarm.progress import (
     NO_SHOW_LIMIT,
+    another_step_fits,
     consensus_round,
     excused_peers,
     no_shows,
     peer_etas,
     rank_holders,
     should_catch_up,
-    steps_to_fill,
     wait_for_peers,
 )
 
@@ -26,7 +26,7 @@ class Rec:
     step: int = 0
     tokens_per_s: float = 0.0
     updated_at: float = 0.0
-    steps_to_sync: int | None = None
+    sync_at: float = 0.0
 
 
 def test_a_single_inflated_claim_moves_nobody_once_two_others_are_seen():
@@ -150,26 +150,28 @@ def test_each_peer_worth_waiting_for_has_its_own_eta():
 
 def test_a_peer_training_past_its_round_is_expected_when_its_record_says():
     # H = 10: the peer's step (47) is past the round's H steps because it trains while waiting for others; its
-    # record says 3 steps are left: 1.5 s at 200 tokens/s, from a record 0.5 s old
-    ahead = Rec(round=3, step=47, tokens_per_s=200.0, updated_at=99.5, steps_to_sync=3)
-    etas = peer_etas({"a": ahead}, round_=3, sync_steps=10, tokens_per_step=100, now=100.0)
-    assert etas == {"a": 1.0}
+    # record says it syncs at 101.5: 1.5 s from now, however fast its steps and however old the record
+    ahead = Rec(round=3, step=47, tokens_per_s=200.0, updated_at=97.0, sync_at=101.5)
+    assert peer_etas({"a": ahead}, round_=3, sync_steps=10, tokens_per_step=100, now=100.0) == {"a": 1.5}
     # read by its step alone, it would look done (the sync at step 40 is behind it)
     by_step = Rec(round=3, step=47, tokens_per_s=200.0, updated_at=99.5)
     assert peer_etas({"a": by_step}, round_=3, sync_steps=10, tokens_per_step=100, now=100.0)["a"] < 0
-    # a record may claim any number of steps left; it is read as at most two rounds' worth (the wait is capped too)
-    liar = Rec(round=3, step=40, tokens_per_s=200.0, updated_at=100.0, steps_to_sync=10**6)
-    assert peer_etas({"l": liar}, round_=3, sync_steps=10, tokens_per_step=100, now=100.0) == {"l": 10.0}
-
-
-def test_the_steps_trained_while_waiting_fit_inside_the_wait():
-    assert steps_to_fill(5.0, 1.7) == 2, (
-        "3.4 s of steps, then 1.6 s of matchmaking: never later than the peer"
+    # a record may claim any time: the wait is capped (and a peer that does not come is a no-show)
+    liar = Rec(round=3, step=40, tokens_per_s=200.0, updated_at=100.0, sync_at=1e12)
+    assert (
+        wait_for_peers({"l": liar}, round_=3, sync_steps=10, tokens_per_step=100, now=100.0, cap=30.0) == 30.0
     )
-    assert steps_to_fill(1.6, 1.7) == 0, "less than a step: wait"
-    assert steps_to_fill(3.4, 1.7) == 2
-    for wait, step in ((0.0, 1.0), (-1.0, 1.0), (5.0, 0.0), (float("nan"), 1.0)):
-        assert steps_to_fill(wait, step) == 0
+    # only a peer still training its round is expected at its sync time
+    done = Rec(round=3, step=40, state="averaging", tokens_per_s=200.0, updated_at=100.0, sync_at=101.5)
+    assert peer_etas({"d": done}, round_=3, sync_steps=10, tokens_per_step=100, now=100.0) == {}
+
+
+def test_a_node_trains_on_while_another_step_ends_before_the_peer_it_waits_for():
+    assert another_step_fits(5.0, 1.7), "then 3.3 s are left: another step fits"
+    assert not another_step_fits(1.6, 1.7), "less than a step: wait in matchmaking"
+    assert another_step_fits(1.7, 1.7)
+    for left, step in ((0.0, 1.0), (-1.0, 1.0), (5.0, 0.0), (float("nan"), 1.0), (1.0, float("nan"))):
+        assert not another_step_fits(left, step)
 
 
 def test_a_peer_waited_for_in_vain_is_not_waited_for_again_until_it_is_seen():

@@ -105,7 +105,8 @@ def _info(peer_id: str, **overrides) -> NodeInfo:
         loss_history=[4.0, 3.5, 3.25],
         bytes_sent=10**12,
         bytes_received=42,
-        steps_to_sync=0,
+        sync_at=1.7e9,
+        round_steps=0,
     )
     return NodeInfo(**(fields | overrides))
 
@@ -122,7 +123,7 @@ def test_node_round_trip_between_dhts(peers, run_id):
     assert publish_node(
         b.dht,
         run_id,
-        _info(b.peer_id, shards=[0], state="joining", steps_to_sync=None),
+        _info(b.peer_id, shards=[0], state="joining", round_steps=None),
         b.validator,
         EXPIRATION_S,
     )
@@ -131,7 +132,7 @@ def test_node_round_trip_between_dhts(peers, run_id):
     assert set(seen_by_b) == {a.peer_id, b.peer_id}
     assert _without_times(seen_by_b[a.peer_id]) == _info(a.peer_id)
     assert _without_times(seen_by_b[b.peer_id]) == _info(
-        b.peer_id, shards=[0], state="joining", steps_to_sync=None
+        b.peer_id, shards=[0], state="joining", round_steps=None
     )
     record = seen_by_b[a.peer_id]
     assert before <= record.updated_at <= get_dht_time()
@@ -188,7 +189,8 @@ def test_bad_records_are_skipped_with_one_warning_each(peers, run_id, caplog):
         b"QmNaN" + owned: NodeRecord(peer_id="QmNaN", loss=math.nan).SerializeToString(),
         b"QmShard" + owned: NodeRecord(peer_id="QmShard", shards=[4]).SerializeToString(),
         b"QmEscape" + owned: NodeRecord(peer_id="QmEscape", public_name="\x1b[2J").SerializeToString(),
-        b"QmAhead" + owned: NodeRecord(peer_id="QmAhead", steps_to_sync=2**31).SerializeToString(),
+        b"QmAhead" + owned: NodeRecord(peer_id="QmAhead", round_steps=2**31).SerializeToString(),
+        b"QmWhen" + owned: NodeRecord(peer_id="QmWhen", sync_at=-1.0).SerializeToString(),
         b"QmUnsigned": NodeRecord(peer_id="QmUnsigned").SerializeToString(),
     }
     for subkey, value in bad_values.items():
@@ -220,7 +222,8 @@ def test_bad_records_are_skipped_with_one_warning_each(peers, run_id, caplog):
         "not finite",
         "num_shards",
         "control",
-        "steps_to_sync is above",
+        "round_steps is above",
+        "sync_at",
         "not signed",
     ):
         assert any(needle in w.getMessage() for w in warnings), needle

@@ -19,6 +19,7 @@ from pathlib import Path
 import hivemind
 import torch
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils.timed_storage import get_dht_time
 
 from spes_node import __version__
 from spes_node.aio import LoopThread
@@ -52,7 +53,7 @@ from spes_node.model.tokenizer import load_tokenizer
 from spes_node.procs import NodeDHT, kill_tree
 from spes_node.swarm import reachability, records, relay
 from spes_node.swarm.identity import load_or_create_identity
-from spes_node.swarm.progress import ROUND_SLACK, consensus_round, should_catch_up, steps_to_fill
+from spes_node.swarm.progress import ROUND_SLACK, another_step_fits, consensus_round, should_catch_up
 from spes_node.swarm.swarm_key import SwarmKey
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,8 @@ that write is abandoned (the checkpoint before it stays) and there is no final c
 NETWORK_SHUTDOWN_S = 4.0
 """Of `SHUTDOWN_S`, what is kept for stopping the DHT (and the averagers, if not stopped yet) after the record is
 withdrawn."""
+STEP_TIME_SMOOTHING = 0.3
+"""Weight of the latest step in the moving average of step time that a node's wait and announced sync time use."""
 
 
 class NodeError(SpesError):
@@ -132,10 +135,12 @@ class Node:
         self.stop_event = threading.Event()
         self.rounds_done = 0
         self.steps_into_round = 0
-        self.extra_steps = 0
-        """Steps past H this round, trained while waiting for slower peers (`_steps_while_waiting`)."""
+        self._train_until: float | None = None
+        """While the node trains past H waiting for slower peers (`_train_while_waiting`): when to stop
+        (`time.perf_counter`)."""
         self._waiting_planned = False
-        self._round_step_seconds: list[float] = []
+        self._step_seconds: float | None = None
+        """A moving average of the training step's duration."""
         self.tokens_since_sync = 0
         self.round_losses: list[float] = []
         self._heartbeat: threading.Thread | None = None
@@ -465,7 +470,7 @@ class Node:
             logger.info(f"the swarm finished round {target} during the download: joining it there")
             self.status.round = target
         steps = consensus_round(
-            (H - n.steps_to_sync if n.steps_to_sync is not None else n.step - self.status.round * H)
+            (n.round_steps if n.round_steps is not None else n.step - self.status.round * H)
             for n in live.values()
             if n.round == self.status.round
         )
@@ -803,14 +808,14 @@ class Node:
             if self.opts.max_rounds is not None and self.rounds_done >= self.opts.max_rounds:
                 break
             self.status.state = "training"
-            while self.steps_into_round < H + self.extra_steps and not self.stop_event.is_set():
+            while self._another_step(H) and not self.stop_event.is_set():
                 self.sync.apply_pending()
                 self.status.add_bytes("refresh", 0, self.sync.take_refresh_bytes())
                 if self.sync.round_ready():
                     self._complete_round()
                 started = time.perf_counter()
                 stats = self.trainer.train_step(self.status.round * H + min(self.steps_into_round, H))
-                self._round_step_seconds.append(time.perf_counter() - started)
+                self._note_step(time.perf_counter() - started)
                 self.steps_into_round += 1
                 self.tokens_since_sync += stats.tokens
                 self.status.tokens += stats.tokens
@@ -828,7 +833,7 @@ class Node:
                         f"lr {stats.lr:.2e} grad_norm {stats.grad_norm:.2f} tokens/s {self.status.tokens_per_s:.0f}"
                     )
                     self.metrics.update(self.status, self.sync.last_report, step=self.trainer.step)
-                if self.steps_into_round < H + self.extra_steps:  # the round's end checkpoints, when due
+                if self.steps_into_round < H:  # the round's end checkpoints, when due
                     self.checkpoint_if_due()
             if self.stop_event.is_set():
                 break
@@ -836,11 +841,11 @@ class Node:
                 self._complete_round()
             last = self.opts.max_rounds is not None and self.rounds_done + 1 >= self.opts.max_rounds
             overlap = self.cfg.swarm.overlap and not last
-            if not overlap and self._steps_while_waiting():
+            if not overlap and self._train_while_waiting():
                 continue
             self._begin_round(overlap)
             self.steps_into_round = 0
-            self.extra_steps, self._waiting_planned, self._round_step_seconds = 0, False, []
+            self._train_until, self._waiting_planned = None, False
             self.tokens_since_sync = 0
             if not overlap:
                 self._complete_round()
@@ -851,31 +856,43 @@ class Node:
             self.checkpoint_writer.key = None
         self.status.add_bytes("refresh", 0, self.sync.take_refresh_bytes())
 
-    def _steps_while_waiting(self) -> int:
-        """At the sync: the steps to train before it, instead of idling while the peers of our groups finish theirs.
+    def _train_while_waiting(self) -> bool:
+        """At the sync: whether to train on, instead of idling while the peers of our groups finish their steps.
 
-        Once a round: the records are read, the round's wait for its slowest expected peer is worked out as the
-        round itself will (`SpesRound.wait_ahead`), and as many whole steps as fit in it at this round's step
-        time are added to the round (`progress.steps_to_fill`). The record then announces them, so that a peer
-        reaching the sync meanwhile waits for us in turn. The wait that is left, less than a step, is spent in
-        matchmaking as before."""
-        if not self.cfg.swarm.train_while_waiting or self._waiting_planned or not self._round_step_seconds:
-            return 0
+        Once a round: the records are read and the round's wait for its slowest expected peer is worked out as the
+        round itself will (`SpesRound.wait_ahead`). The node then trains until that peer is due, one step at a
+        time while another fits (`progress.another_step_fits`, so that steps slower than expected cost one step's
+        error, not many), and its record announces when it will sync, so that a peer reaching the sync meanwhile
+        waits for us in turn. The wait that is left, less than a step, is spent in matchmaking as before."""
+        if not self.cfg.swarm.train_while_waiting or self._waiting_planned or self._step_seconds is None:
+            return False
         self._waiting_planned = True
         nodes = records.fetch_nodes(
             self.dht, self.opts.run_id, self.cfg.swarm.num_shards, stop=self.stop_event
         )
         wait = self.sync.wait_ahead(nodes, self.status.round, self.node_info())
-        step_seconds = sum(self._round_step_seconds) / len(self._round_step_seconds)
-        steps = steps_to_fill(wait, step_seconds)
-        if steps:
-            self.extra_steps += steps
-            logger.info(
-                f"round {self.status.round + 1}: peers are {wait:.1f}s from the sync: training {steps} more "
-                f"step{'s' if steps > 1 else ''} meanwhile"
-            )
-            self.publish_record()
-        return steps
+        if not another_step_fits(wait, self._step_seconds):
+            return False
+        self._train_until = time.perf_counter() + wait
+        logger.info(f"round {self.status.round + 1}: peers are {wait:.1f}s from the sync: training meanwhile")
+        self.publish_record()
+        return True
+
+    def _another_step(self, H: int) -> bool:
+        """Whether the round has another local step: its first H, then while training during a wait."""
+        if self.steps_into_round < H:
+            return True
+        if self._train_until is None or self._step_seconds is None:
+            return False
+        return another_step_fits(self._train_until - time.perf_counter(), self._step_seconds)
+
+    def _note_step(self, seconds: float) -> None:
+        previous = self._step_seconds
+        self._step_seconds = (
+            seconds
+            if previous is None
+            else STEP_TIME_SMOOTHING * seconds + (1 - STEP_TIME_SMOOTHING) * previous
+        )
 
     def _begin_round(self, overlap: bool) -> None:
         """Announce that we average, read the swarm's records (the round's one read) and start the all-reduces.
@@ -1037,14 +1054,19 @@ class Node:
             bytes_sent=sum(self.status.bytes_sent.values()),
             bytes_received=sum(self.status.bytes_received.values()),
             data_part=self.data_part[0] if self.data_part is not None else None,
-            steps_to_sync=self._steps_to_sync(),
+            sync_at=self._sync_at(),
+            round_steps=self.steps_into_round if self.trainer is not None else None,
         )
 
-    def _steps_to_sync(self) -> int | None:
-        """Steps left before this node syncs in its round, while it trains (None otherwise)."""
-        if self.status.state != "training" or self.cfg is None:
-            return None
-        return max(self.cfg.swarm.sync_steps + self.extra_steps - self.steps_into_round, 0)
+    def _sync_at(self) -> float:
+        """When this node expects to begin its sync (DHT time), while it trains; 0 if it cannot tell yet."""
+        if self.status.state != "training" or self._step_seconds is None or self.cfg is None:
+            return 0.0
+        if self._train_until is not None:
+            left = max(self._train_until - time.perf_counter(), 0.0)
+        else:
+            left = max(self.cfg.swarm.sync_steps - self.steps_into_round, 0) * self._step_seconds
+        return get_dht_time() + left
 
     def publish_record(self) -> None:
         records.publish_node(

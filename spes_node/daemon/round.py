@@ -443,7 +443,7 @@ class SpesRound:
 
     def wait_ahead(self, nodes: Mapping[str, records.NodeInfo], round_: int, me: records.NodeInfo) -> float:
         """Before the round: the seconds its groups would wait for peers about to finish it, which the node trains
-        through instead of idling (`progress.steps_to_fill`). Those peers count as waited for: if they do not come,
+        through instead of idling (`progress.another_step_fits`). Those peers count as waited for: if they do not come,
         they are no-shows, as if the round itself had waited (a record claiming a peer about to finish would
         otherwise stretch every round by a wait's worth of steps, for good)."""
         wait, etas = self._expected_wait(nodes, round_, me)

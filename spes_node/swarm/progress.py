@@ -9,8 +9,8 @@ Records and group data come from peers that may lie. Two rules keep a single pee
   from peers whose claimed round is ahead of the consensus, and peers that failed us go last (`rank_holders`).
 - **Waits.** A round waits for a peer its record says is about to finish (`wait_for_peers`), which is what brings
   a node that fell out of step back among the others. The node trains while it waits, for as many whole steps as
-  the wait holds (`steps_to_fill`), and its record announces the steps it has left, so that others can wait for
-  it in turn. A peer that was waited for and did not come is not waited for again until it has been seen in a
+  the wait holds (`another_step_fits`), and its record announces when it will sync, so that others can wait
+  for it in turn. A peer that was waited for and did not come is not waited for again until it has been seen in a
   group (`no_shows`), so a record that claims a peer about to finish, round after round, holds the swarm for a few
   rounds' waits, not for good.
 
@@ -98,7 +98,7 @@ def rank_holders(
 class Progress(Protocol):
     round: int
     step: int
-    steps_to_sync: int | None
+    sync_at: float
     state: str
     tokens_per_s: float
     updated_at: float
@@ -157,27 +157,27 @@ def peer_etas(
     the records; peers that are not (another round, no throughput known) are left out."""
     etas = {}
     for peer, node in others.items():
+        if node.round == round_ and node.state == "training" and node.sync_at > 0:
+            # when it said it would sync: it may train past step H while waiting for others
+            etas[peer] = node.sync_at - now
+            continue
         speed = node.tokens_per_s if node.tokens_per_s > 0 else default_tokens_per_s
         if not speed > 0:
             continue
         if node.round == round_ and node.state == "training":
-            if node.steps_to_sync is not None:  # it may train past step H while waiting for others
-                steps_left = min(node.steps_to_sync, 2 * sync_steps)
-            else:
-                steps_left = min(max((round_ + 1) * sync_steps - node.step, 0), sync_steps)
+            steps_left = min(max((round_ + 1) * sync_steps - node.step, 0), sync_steps)
             etas[peer] = steps_left * tokens_per_step / speed - max(0.0, now - node.updated_at)
         elif node.round == round_ - 1 and node.state == "averaging":
             etas[peer] = sync_steps * tokens_per_step / speed
     return etas
 
 
-def steps_to_fill(wait: float, step_seconds: float) -> int:
-    """Whole training steps that fit in `wait` seconds (the round's wait for its slowest expected peer) at
-    `step_seconds` a step: a node that reaches the sync first trains them instead of idling, and still arrives
-    before the peer it waits for (so that the peer, which reads its record, need not wait for it in turn)."""
-    if not (wait > 0 and step_seconds > 0):
-        return 0
-    return int(wait // step_seconds)
+def another_step_fits(seconds_left: float, step_seconds: float) -> bool:
+    """Whether one more training step of `step_seconds` ends within `seconds_left` (the time until the node's
+    slowest expected peer reaches the sync): a node that reached the sync first trains while it does, instead of
+    idling, and still arrives before that peer (so that the peer, which reads its record, need not wait for it
+    in turn). Asked before each step, so that steps slower than expected cost one step's error, not many."""
+    return seconds_left > 0 and step_seconds > 0 and step_seconds <= seconds_left
 
 
 def no_shows(

@@ -52,7 +52,7 @@ MAX_SUBKEY_BYTES = 4096
 """A serialized subkey: a peer id (or nothing) and an "[owner:ssh-rsa ...]" marker."""
 MAX_SHARDS_PER_NODE = 1024
 MAX_DATA_PARTS = 1 << 20
-MAX_STEPS_TO_SYNC = 1 << 20
+MAX_ROUND_STEPS = 1 << 20
 MAX_LOSS_HISTORY = 64
 MAX_MADDRS = 32
 MAX_MADDR_CHARS = 512
@@ -153,9 +153,11 @@ class NodeInfo:
     bytes_received: int = 0
     data_part: int | None = None
     """The data part the node reads (`sharding.data_part`), None until it has one."""
-    steps_to_sync: int | None = None
-    """Steps the node has left before it syncs in its round, None if not announced (then it syncs at step
-    (round + 1) x sync_steps; a node that trains while waiting for slower peers syncs later)."""
+    sync_at: float = 0.0
+    """DHT time at which the node expects to begin its sync in its round, while it trains; 0 if not announced
+    (it then syncs at step (round + 1) x sync_steps, which a node that trains while waiting for peers passes)."""
+    round_steps: int | None = None
+    """Local steps trained in the current round, None if not announced."""
 
 
 @dataclass(frozen=True)
@@ -230,8 +232,9 @@ def _check_node_record(record: NodeRecord, num_shards: int | None) -> None:
         _check_text(maddr, "maddrs", MAX_MADDR_CHARS, allow_empty=False)
     if record.data_part > MAX_DATA_PARTS:
         raise ValueError(f"data_part is above {MAX_DATA_PARTS}")
-    if record.steps_to_sync > MAX_STEPS_TO_SYNC:
-        raise ValueError(f"steps_to_sync is above {MAX_STEPS_TO_SYNC}")
+    _check_finite(record.sync_at, "sync_at", non_negative=True)
+    if record.round_steps > MAX_ROUND_STEPS:
+        raise ValueError(f"round_steps is above {MAX_ROUND_STEPS}")
     if len(record.loss_history) > MAX_LOSS_HISTORY:
         raise ValueError(f"loss_history has more than {MAX_LOSS_HISTORY} entries")
     for loss in record.loss_history:
@@ -276,7 +279,8 @@ def _node_to_record(info: NodeInfo, updated_at: float) -> NodeRecord:
             bytes_sent=info.bytes_sent,
             bytes_received=info.bytes_received,
             data_part=0 if info.data_part is None else info.data_part + 1,
-            steps_to_sync=0 if info.steps_to_sync is None else info.steps_to_sync + 1,
+            sync_at=info.sync_at,
+            round_steps=0 if info.round_steps is None else info.round_steps + 1,
         )
     except (TypeError, ValueError) as e:
         raise ValueError(f"node info does not fit the record: {e}") from None
@@ -302,7 +306,8 @@ def _record_to_node(record: NodeRecord, expires_at: float) -> NodeInfo:
         bytes_sent=record.bytes_sent,
         bytes_received=record.bytes_received,
         data_part=record.data_part - 1 if record.data_part else None,
-        steps_to_sync=record.steps_to_sync - 1 if record.steps_to_sync else None,
+        sync_at=record.sync_at,
+        round_steps=record.round_steps - 1 if record.round_steps else None,
     )
 
 
