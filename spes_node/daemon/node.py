@@ -41,6 +41,7 @@ from spes_node.daemon.checkpoint_writer import (
 )
 from spes_node.daemon.data import TokenBatcher, validation_batches
 from spes_node.daemon.metrics import NodeMetrics
+from spes_node.daemon.pacing import RoundPacer
 from spes_node.daemon.placement import assign_joiners, data_part, reachable
 from spes_node.daemon.round import RoundInputs, RoundReport, SpesRound, StateTaken, live_peers, next_data_part
 from spes_node.daemon.trainer import Trainer
@@ -53,7 +54,7 @@ from spes_node.model.tokenizer import load_tokenizer
 from spes_node.procs import NodeDHT, kill_tree
 from spes_node.swarm import reachability, records, relay
 from spes_node.swarm.identity import load_or_create_identity
-from spes_node.swarm.progress import ROUND_SLACK, another_step_fits, consensus_round, should_catch_up
+from spes_node.swarm.progress import ROUND_SLACK, consensus_round, should_catch_up
 from spes_node.swarm.swarm_key import SwarmKey
 
 logger = logging.getLogger(__name__)
@@ -68,8 +69,6 @@ that write is abandoned (the checkpoint before it stays) and there is no final c
 NETWORK_SHUTDOWN_S = 4.0
 """Of `SHUTDOWN_S`, what is kept for stopping the DHT (and the averagers, if not stopped yet) after the record is
 withdrawn."""
-STEP_TIME_SMOOTHING = 0.3
-"""Weight of the latest step in the moving average of step time that a node's wait and announced sync time use."""
 
 
 class NodeError(SpesError):
@@ -135,12 +134,8 @@ class Node:
         self.stop_event = threading.Event()
         self.rounds_done = 0
         self.steps_into_round = 0
-        self._train_until: float | None = None
-        """While the node trains past H waiting for slower peers (`_train_while_waiting`): when to stop
-        (`time.perf_counter`)."""
-        self._waiting_planned = False
-        self._step_seconds: float | None = None
-        """A moving average of the training step's duration."""
+        self.pacer: RoundPacer | None = None
+        """When the round has another local step (H, then while waiting for slower peers); set with the config."""
         self.tokens_since_sync = 0
         self.round_losses: list[float] = []
         self._heartbeat: threading.Thread | None = None
@@ -376,6 +371,7 @@ class Node:
             val_fraction=cfg.data.val_fraction,
         )
         self.trainer = Trainer(cfg, self.model, self.batcher, self.device)
+        self.pacer = RoundPacer(cfg.swarm.sync_steps, enabled=cfg.swarm.train_while_waiting)
         if checkpoint is not None:
             self._resume(checkpoint)
 
@@ -808,14 +804,14 @@ class Node:
             if self.opts.max_rounds is not None and self.rounds_done >= self.opts.max_rounds:
                 break
             self.status.state = "training"
-            while self._another_step(H) and not self.stop_event.is_set():
+            while self.pacer.another_step(self.steps_into_round) and not self.stop_event.is_set():
                 self.sync.apply_pending()
                 self.status.add_bytes("refresh", 0, self.sync.take_refresh_bytes())
                 if self.sync.round_ready():
                     self._complete_round()
                 started = time.perf_counter()
                 stats = self.trainer.train_step(self.status.round * H + min(self.steps_into_round, H))
-                self._note_step(time.perf_counter() - started)
+                self.pacer.note_step(time.perf_counter() - started)
                 self.steps_into_round += 1
                 self.tokens_since_sync += stats.tokens
                 self.status.tokens += stats.tokens
@@ -845,7 +841,7 @@ class Node:
                 continue
             self._begin_round(overlap)
             self.steps_into_round = 0
-            self._train_until, self._waiting_planned = None, False
+            self.pacer.new_round()
             self.tokens_since_sync = 0
             if not overlap:
                 self._complete_round()
@@ -861,38 +857,20 @@ class Node:
 
         Once a round: the records are read and the round's wait for its slowest expected peer is worked out as the
         round itself will (`SpesRound.wait_ahead`). The node then trains until that peer is due, one step at a
-        time while another fits (`progress.another_step_fits`, so that steps slower than expected cost one step's
-        error, not many), and its record announces when it will sync, so that a peer reaching the sync meanwhile
-        waits for us in turn. The wait that is left, less than a step, is spent in matchmaking as before."""
-        if not self.cfg.swarm.train_while_waiting or self._waiting_planned or self._step_seconds is None:
+        time while another fits (`pacing.RoundPacer`, so that steps slower than expected cost one step's error,
+        not many), and its record announces when it will sync, so that a peer reaching the sync meanwhile waits for
+        us in turn. The wait that is left, less than a step, is spent in matchmaking as before."""
+        if not self.pacer.wants_wait():
             return False
-        self._waiting_planned = True
         nodes = records.fetch_nodes(
             self.dht, self.opts.run_id, self.cfg.swarm.num_shards, stop=self.stop_event
         )
         wait = self.sync.wait_ahead(nodes, self.status.round, self.node_info())
-        if not another_step_fits(wait, self._step_seconds):
+        if not self.pacer.wait(wait):
             return False
-        self._train_until = time.perf_counter() + wait
         logger.info(f"round {self.status.round + 1}: peers are {wait:.1f}s from the sync: training meanwhile")
         self.publish_record()
         return True
-
-    def _another_step(self, H: int) -> bool:
-        """Whether the round has another local step: its first H, then while training during a wait."""
-        if self.steps_into_round < H:
-            return True
-        if self._train_until is None or self._step_seconds is None:
-            return False
-        return another_step_fits(self._train_until - time.perf_counter(), self._step_seconds)
-
-    def _note_step(self, seconds: float) -> None:
-        previous = self._step_seconds
-        self._step_seconds = (
-            seconds
-            if previous is None
-            else STEP_TIME_SMOOTHING * seconds + (1 - STEP_TIME_SMOOTHING) * previous
-        )
 
     def _begin_round(self, overlap: bool) -> None:
         """Announce that we average, read the swarm's records (the round's one read) and start the all-reduces.
@@ -1060,12 +1038,9 @@ class Node:
 
     def _sync_at(self) -> float:
         """When this node expects to begin its sync (DHT time), while it trains; 0 if it cannot tell yet."""
-        if self.status.state != "training" or self._step_seconds is None or self.cfg is None:
+        left = self.pacer.seconds_to_sync(self.steps_into_round) if self.pacer is not None else None
+        if self.status.state != "training" or left is None:
             return 0.0
-        if self._train_until is not None:
-            left = max(self._train_until - time.perf_counter(), 0.0)
-        else:
-            left = max(self.cfg.swarm.sync_steps - self.steps_into_round, 0) * self._step_seconds
         return get_dht_time() + left
 
     def publish_record(self) -> None:

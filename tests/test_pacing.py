@@ -1,0 +1,54 @@
+"""When a round has another local step (pure; the clock is a fake one)."""
+
+import pytest
+
+from spes_node.daemon import pacing
+from spes_node.daemon.pacing import RoundPacer
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(pacing.time, "perf_counter", lambda: now[0])
+    return now
+
+
+def test_the_first_h_steps_then_steps_while_another_ends_before_the_peer_is_due(clock):
+    pacer = RoundPacer(sync_steps=3)
+    assert pacer.another_step(0) and pacer.another_step(2)
+    assert not pacer.wants_wait(), "no step time yet: nothing to plan with"
+    pacer.note_step(1.0)
+    assert not pacer.another_step(3), "at H without a wait: sync"
+    assert pacer.seconds_to_sync(1) == 2.0
+    assert pacer.wants_wait()
+    assert pacer.wait(2.5)
+    assert not pacer.wants_wait(), "once a round"
+    assert pacer.another_step(3) and pacer.seconds_to_sync(3) == 2.5
+    clock[0] += 1.0
+    assert pacer.another_step(4), "1.5 s left, steps of 1 s"
+    clock[0] += 1.0
+    assert not pacer.another_step(5), "0.5 s left: the rest is spent in matchmaking"
+    pacer.new_round()
+    assert not pacer.another_step(5) and pacer.wants_wait()
+
+
+def test_a_step_slower_than_the_average_costs_one_steps_error(clock):
+    pacer = RoundPacer(sync_steps=1)
+    pacer.note_step(0.1)
+    assert pacer.wait(1.0)
+    # the steps become ten times slower: the average follows, and training stops once a step no longer fits
+    steps = 0
+    while pacer.another_step(1 + steps):
+        clock[0] += 1.0
+        pacer.note_step(1.0)
+        steps += 1
+    assert steps == 1 and clock[0] - 100.0 == 1.0
+
+
+def test_a_wait_shorter_than_a_step_or_turned_off_trains_nothing(clock):
+    pacer = RoundPacer(sync_steps=2)
+    pacer.note_step(1.0)
+    assert not pacer.wait(0.5) and not pacer.another_step(2)
+    off = RoundPacer(sync_steps=2, enabled=False)
+    off.note_step(1.0)
+    assert not off.wants_wait()
