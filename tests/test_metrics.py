@@ -86,6 +86,12 @@ def test_a_round_report_counts_once(metrics):
     assert samples[("spes_round_seconds_total", ())] == 4.0
     assert samples[("spes_averaging_failures_total", ())] == 3
     assert samples[("spes_round_duration_seconds", ())] == 1.5
+    # steps trained past H while waiting add up over the rounds counted
+    metrics.update(status, _report(5, steps=13, steps_while_waiting=3))
+    metrics.update(status, _report(6, steps=12, steps_while_waiting=2))
+    samples = _samples(metrics.render().decode())
+    assert samples[("spes_steps_while_waiting_total", ())] == 5
+    assert samples[("spes_round_steps", ())] == 12
 
 
 def test_unknown_values_before_the_first_step():

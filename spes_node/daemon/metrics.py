@@ -43,6 +43,8 @@ class _Snapshot:
         self.round_seconds_total = 0.0
         self.failures = 0
         self.failed_parts = 0
+        self.round_steps = 0
+        self.steps_while_waiting = 0
 
 
 class _NodeCollector(Collector):
@@ -86,6 +88,12 @@ class _NodeCollector(Collector):
             _gauge("spes_round_duration_seconds", "Duration of the last round's sync.", s.round_seconds),
             _counter("spes_rounds", "Rounds finished by this node.", s.rounds),
             _counter("spes_round_seconds", "Total time spent in round syncs.", s.round_seconds_total),
+            _gauge("spes_round_steps", "Local steps of the last finished round.", s.round_steps),
+            _counter(
+                "spes_steps_while_waiting",
+                "Steps trained past H while waiting for slower peers (swarm.train_while_waiting).",
+                s.steps_while_waiting,
+            ),
             _counter("spes_averaging_failures", "All-reduces that failed (local weights kept).", s.failures),
             _counter(
                 "spes_averaging_failed_parts",
@@ -150,6 +158,8 @@ class NodeMetrics:
                 s.round_seconds_total += 0.0 if math.isnan(s.round_seconds) else s.round_seconds
                 s.failures += len(report.get("errors", ()))
                 s.failed_parts += int(report.get("failed_parts", 0))
+                s.round_steps = int(report.get("steps", 0))
+                s.steps_while_waiting += int(report.get("steps_while_waiting", 0))
 
     def render(self) -> bytes:
         """The text a scrape returns."""

@@ -129,6 +129,8 @@ class RoundReport:
     equal hold the same weights there."""
     steps: int = 0
     """Local steps of the round: H, plus any trained while waiting for slower peers."""
+    steps_while_waiting: int = 0
+    """Of `steps`, those past H (`swarm.train_while_waiting`)."""
 
     def add_bytes(self, kind: str, sent: int, received: int) -> None:
         self.bytes_sent[kind] = self.bytes_sent.get(kind, 0) + sent
@@ -156,6 +158,7 @@ class RoundReport:
             "resynced": list(self.resynced),
             "anchors": dict(self.anchors),
             "steps": self.steps,
+            "steps_while_waiting": self.steps_while_waiting,
         }
 
 
@@ -560,6 +563,7 @@ class SpesRound:
             shard_groups={shard: r.group_size for shard, r in shard_results.items()},
             overlapped=flight.sent_shared is not None,
             steps=inputs.steps,
+            steps_while_waiting=max(inputs.steps - self.cfg.swarm.sync_steps, 0),
         )
         report.errors.extend(flight.errors)
         joined = set(shared_result.peers).union(*(r.peers for r in shard_results.values()))
@@ -613,8 +617,8 @@ class SpesRound:
             f"{(summary['bytes_shared'] + summary['bytes_shard']) / 1e6:.2f} MB averaged, {report.seconds:.1f}s"
             + (" (overlapped)" if report.overlapped else "")
             + (
-                f", {report.steps - self.cfg.swarm.sync_steps} steps trained while waiting"
-                if report.steps > self.cfg.swarm.sync_steps
+                f", {report.steps_while_waiting} steps trained while waiting"
+                if report.steps_while_waiting
                 else ""
             )
             + (", merged" if report.merged else "")
