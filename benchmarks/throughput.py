@@ -194,7 +194,8 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
         keys = ("throughput_ratio", "throughput_ratio_as_published", "throughput_ratio_overlap")
         merge_latest(
             {
-                **{key: results[key] for key in keys},
+                # a variant not run leaves latest.json's figure of another run alone
+                **{key: results[key] for key in keys if results[key] is not None},
                 # the suite's name for it (run_all); left out, latest.json kept another run's raw ratio
                 "throughput_raw_tokens_per_s_ratio": results["raw_tokens_per_s_ratio"],
                 "throughput_link_mbit": rate,
