@@ -52,3 +52,27 @@ def test_a_wait_shorter_than_a_step_or_turned_off_trains_nothing(clock):
     off = RoundPacer(sync_steps=2, enabled=False)
     off.note_step(1.0)
     assert not off.wants_wait()
+
+
+def test_a_node_announces_its_sync_while_it_trains_but_not_while_an_overlapped_round_is_in_flight(tmp_path):
+    from types import SimpleNamespace
+
+    from spes_node.daemon.node import Node, NodeOptions
+
+    node = Node(None, NodeOptions(checkpoint_dir=tmp_path))
+    node.peer_id = "QmNode"
+    node.trainer = SimpleNamespace(step=13)
+    node.pacer = RoundPacer(sync_steps=5)
+    node.pacer.note_step(1.0)
+    node.steps_into_round = 3
+    node.status.state = "training"
+    node.sync = SimpleNamespace(round_in_flight=lambda: False)
+    info = node.node_info()
+    assert info.sync_at > 0 and info.round_steps == 3
+    # overlap: the round averaged is in flight while the next one's steps run; the record's round is the former, so
+    # a time (or steps) of the latter would have peers of that round wait for the sync after next
+    node.sync = SimpleNamespace(round_in_flight=lambda: True)
+    info = node.node_info()
+    assert info.sync_at == 0 and info.round_steps is None
+    node.sync, node.status.state = SimpleNamespace(round_in_flight=lambda: False), "averaging"
+    assert node.node_info().sync_at == 0

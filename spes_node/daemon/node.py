@@ -1033,15 +1033,22 @@ class Node:
             bytes_received=sum(self.status.bytes_received.values()),
             data_part=self.data_part[0] if self.data_part is not None else None,
             sync_at=self._sync_at(),
-            round_steps=self.steps_into_round if self.trainer is not None else None,
+            round_steps=self.steps_into_round
+            if self.trainer is not None and not self._overlapping()
+            else None,
         )
 
     def _sync_at(self) -> float:
-        """When this node expects to begin its sync (DHT time), while it trains; 0 if it cannot tell yet."""
+        """When this node expects to begin its sync (DHT time), while it trains; 0 if it cannot tell yet, and while
+        an overlapped round is in flight (its record's round is then the one it averages, not the one it trains:
+        peers would wait for the sync after next)."""
         left = self.pacer.seconds_to_sync(self.steps_into_round) if self.pacer is not None else None
-        if self.status.state != "training" or left is None:
+        if self.status.state != "training" or left is None or self._overlapping():
             return 0.0
         return get_dht_time() + left
+
+    def _overlapping(self) -> bool:
+        return self.sync is not None and self.sync.round_in_flight()
 
     def publish_record(self) -> None:
         records.publish_node(
