@@ -16,6 +16,7 @@ Switches, all from the environment:
   see each other's records, so two replicas of a shard can pick the same part; the benchmarks pin parts to
   compare methods on disjoint data. The part the node would have chosen is recorded too.
 - `SPES_BENCH_EXIT_AFTER_STARTUP=1`: leave (cleanly) as soon as startup is done, for join-time measurements.
+- `SPES_BENCH_STEP_DELAY=S`: every training step takes S seconds longer (counted as step time), a slower card.
 """
 
 from __future__ import annotations
@@ -64,8 +65,13 @@ def _counters(node: Node) -> dict:
 
 
 def _wrap_train_step(original):
+    delay = float(os.environ.get("SPES_BENCH_STEP_DELAY", "0"))
+
     def train_step(self: Trainer, *args, **kwargs):
         stats = original(self, *args, **kwargs)
+        if delay > 0:
+            time.sleep(delay)  # the slower card's extra time per step
+            stats.seconds += delay
         TIMELINE["steps"].append([time.time(), stats.tokens, stats.seconds])
         return stats
 

@@ -70,8 +70,10 @@ class BenchSwarm:
         no_sync: bool = False,
         pin_data: bool = True,
         shards: list[int] | None = None,
+        step_delays: dict[int, float] | None = None,
     ) -> list[NodeRun]:
-        """Start every node at once (`--wait-peers` all), wait for all to exit, collect their outputs."""
+        """Start every node at once (`--wait-peers` all), wait for all to exit, collect their outputs.
+        `step_delays`: seconds added to every step of some nodes (by index), as slower cards."""
         from spes_node.swarm.bootstrap import start_bootstrap
 
         bootstrap = start_bootstrap([f"/ip4/{self._host(None)}/tcp/0"])
@@ -85,6 +87,8 @@ class BenchSwarm:
                     env["SPES_BENCH_NO_SYNC"] = "1"
                 if pin_data:
                     env["SPES_BENCH_DATA_PART"] = f"{i}/{self.num_nodes}"
+                if step_delays and step_delays.get(i):
+                    env["SPES_BENCH_STEP_DELAY"] = str(step_delays[i])
                 self._start(i, maddr, max_rounds, shards[i], env)
             self._wait(timeout)
         finally:

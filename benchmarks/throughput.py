@@ -17,6 +17,8 @@ The headline is the run with the preset's own `swarm.overlap` (as published when
 pseudo-gradients on the wire (`swarm.average = "updates"`, `swarm.wire_compression = "int8"`), half the fp16
 weights' bytes per all-reduce, and `sync_idle`: the sync as published before nodes trained while waiting for
 slower peers (`swarm.train_while_waiting = false`: a node that reaches the sync first idles in matchmaking).
+`uneven` and `uneven_idle` are `sync` and `sync_idle` on unequal cards: node 0's steps take `slow_node_delay_s`
+longer (counted as step time, as on a slower card), so that the others reach each sync first.
 
 `--rate-mbit R` runs every node in its own network namespace behind a link shaped to R Mbit/s each way
 (`benchmarks/netns.py`, tbf on each node's veth pair, as in the link benchmark), so that the sync's transfers take
@@ -46,6 +48,8 @@ SETTINGS = {
     "variants": ["sync", "no_sync", "overlap"],
     "timeout_s": 1200,
     "rate_mbit": None,
+    "slow_node_delay_s": 1.0,
+    "result": None,
 }
 
 
@@ -81,7 +85,8 @@ def node_rate(node: NodeRun, sync_steps: int) -> dict:
     }
 
 
-VARIANTS = ("sync", "no_sync", "overlap", "sync_int8", "overlap_int8", "sync_idle")
+VARIANTS = ("sync", "no_sync", "overlap", "sync_int8", "overlap_int8", "sync_idle", "uneven", "uneven_idle")
+HEADLINE_VARIANTS = ("sync", "no_sync", "overlap")
 INT8_UPDATES = {"average": "updates", "wire_compression": "int8"}
 
 
@@ -115,7 +120,12 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
             swarm = BenchSwarm(
                 workdir / name, cfg, settings["num_nodes"], run_id=f"tp_{name}", network=network
             )
-            nodes = swarm.run(settings["rounds"], timeout=settings["timeout_s"], no_sync=name == "no_sync")
+            nodes = swarm.run(
+                settings["rounds"],
+                timeout=settings["timeout_s"],
+                no_sync=name == "no_sync",
+                step_delays={0: settings["slow_node_delay_s"]} if name.startswith("uneven") else None,
+            )
         rates = [node_rate(n, cfg.swarm.sync_steps) for n in nodes]
         variants[name] = {
             "tokens_per_s_per_node": sum(r["tokens_per_s"] for r in rates) / len(rates),
@@ -148,7 +158,7 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
         **{
             f"throughput_ratio_{name}": variants[name]["compute_share"] / share
             for name in variants
-            if name.endswith(("_int8", "_idle"))
+            if name not in HEADLINE_VARIANTS
         },
         "method": "headline: share of wall time in training steps (steady state), with sync / without sync",
         "variants": variants,
@@ -187,9 +197,8 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
         )
     )
     loads = [v["load"] for v in variants.values()]
-    write_result(
-        f"throughput_{rate:g}mbit" if rate else "throughput", settings, results, {"per_variant": loads}
-    )
+    name = settings.get("result") or (f"throughput_{rate:g}mbit" if rate else "throughput")
+    write_result(name, settings, results, {"per_variant": loads})
     if write_latest:
         keys = ("throughput_ratio", "throughput_ratio_as_published", "throughput_ratio_overlap")
         merge_latest(
@@ -199,7 +208,11 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
                 # the suite's name for it (run_all); left out, latest.json kept another run's raw ratio
                 "throughput_raw_tokens_per_s_ratio": results["raw_tokens_per_s_ratio"],
                 "throughput_link_mbit": rate,
-                **{key: value for key, value in results.items() if key.endswith(("_int8", "_idle"))},
+                **{
+                    f"throughput_ratio_{name}": results[f"throughput_ratio_{name}"]
+                    for name in variants
+                    if name not in HEADLINE_VARIANTS
+                },
             }
         )
     return results
@@ -235,11 +248,26 @@ def main() -> None:
         help="runs to make (sync and no_sync always; the int8 ones average int8 pseudo-gradients)",
     )
     parser.add_argument("--no-latest", action="store_true", help="leave latest.json alone")
+    parser.add_argument(
+        "--result", default=None, help="results/<RESULT>.json (default: throughput or throughput_<R>mbit)"
+    )
+    parser.add_argument(
+        "--slow-node-delay",
+        type=float,
+        default=SETTINGS["slow_node_delay_s"],
+        help="seconds added to each step of node 0 in the uneven variants",
+    )
     args = parser.parse_args()
     started = time.time()
     run(
         Path(args.workdir),
-        {"rate_mbit": args.rate_mbit, "rounds": args.rounds, "variants": args.variants},
+        {
+            "rate_mbit": args.rate_mbit,
+            "rounds": args.rounds,
+            "variants": args.variants,
+            "result": args.result,
+            "slow_node_delay_s": args.slow_node_delay,
+        },
         write_latest=not args.no_latest,
     )
     emit(f"throughput benchmark took {time.time() - started:.0f}s")
