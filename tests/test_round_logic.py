@@ -62,9 +62,13 @@ def test_one_peers_huge_round_claim_is_outvoted():
     assert catch_up_target(5, nodes, "me") is None
 
 
-def test_the_wait_for_peers_is_capped_at_one_round_and_at_first_at_the_matchmaking_window():
+def test_the_wait_for_peers_is_capped_at_one_round_and_at_first_at_the_first_round_so_far():
     assert wait_cap(None, 6.0) == 6.0
     assert wait_cap(42.5, 6.0) == 42.5
+    assert wait_cap(42.5, 6.0, this_round_so_far=80.0) == 42.5, "the last round, once there is one"
+    # before a first round: that round's steps so far (a node on faster cards meets a slower one from round 1)
+    assert wait_cap(None, 6.0, this_round_so_far=36.0) == 36.0
+    assert wait_cap(None, 6.0, this_round_so_far=2.0) == 6.0
 
 
 def test_refresh_and_merge_fall_due_on_their_schedules():

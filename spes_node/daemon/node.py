@@ -482,6 +482,7 @@ class Node:
         self.status.state = "training"
         self.publish_record()
         self._wait_for_peers()
+        self.sync.training_started()
         # replicas that started together may have taken the same data part; settle it before the first step
         # (after a round it would cost the mover the time to re-read its data while the others match)
         nodes = records.fetch_nodes(self.dht, self.opts.run_id, self.cfg.swarm.num_shards)

@@ -444,6 +444,10 @@ class SpesRound:
         )
         self._waited_ahead = set()
 
+    def training_started(self) -> None:
+        """The node's first step is about to run: its first round is timed from here (see `wait_cap`)."""
+        self._round_started = time.perf_counter()
+
     def wait_ahead(self, nodes: Mapping[str, records.NodeInfo], round_: int, me: records.NodeInfo) -> float:
         """Before the round: the seconds its groups would wait for peers about to finish it, which the node trains
         through instead of idling (`progress.another_step_fits`). Those peers count as waited for: if they do not come,
@@ -471,7 +475,10 @@ class SpesRound:
             now=get_dht_time(),
             default_tokens_per_s=me.tokens_per_s,
         )
-        return longest_wait(etas, wait_cap(self._round_seconds, self.cfg.swarm.matchmaking_time)), etas
+        cap = wait_cap(
+            self._round_seconds, self.cfg.swarm.matchmaking_time, time.perf_counter() - self._round_started
+        )
+        return longest_wait(etas, cap), etas
 
     def _unless_stopped(
         self, start: Callable[[], StepHandle], key: str, errors: list[str], timeout: float | None = None
@@ -889,12 +896,19 @@ def catch_up_target(
     return should_catch_up(round_, (n.round for n in live_peers(nodes, me, banned).values()))
 
 
-def wait_cap(last_round_seconds: float | None, matchmaking_time: float) -> float:
+def wait_cap(
+    last_round_seconds: float | None, matchmaking_time: float, this_round_so_far: float | None = None
+) -> float:
     """How long a round may wait for peers about to finish: at most one round (ours, as the last one took).
 
     The published method waits for everyone (a barrier); we wait for whoever is expected within a round, and a
-    node slower than that meets the others at a later round. Before a first round: the matchmaking window."""
-    return last_round_seconds if last_round_seconds else matchmaking_time
+    node slower than that meets the others at a later round. Before a first round: this one as long as it has
+    taken so far (its steps: a round, for a node that trained it from the start), at least the matchmaking window;
+    a node whose cards are slower than ours by more than that window is met from the first round on, not the
+    second."""
+    if last_round_seconds:
+        return last_round_seconds
+    return max(matchmaking_time, this_round_so_far or 0.0)
 
 
 def merge_due_at(round_: int, swarm: SwarmConfig) -> bool:
