@@ -146,3 +146,30 @@ def test_stopping_cancels_running_groups_where_hivemind_raised():
         return runner.cancelled, pending.cancelled()
 
     assert asyncio.run(scenario()) == (True, True)
+
+
+def test_a_cancelled_future_nobody_read_is_not_logged_as_an_error(caplog):
+    import gc
+    import logging
+
+    from spes_node.swarm.robust import quiet_cancelled
+
+    def leave_unread(exception: BaseException, handler) -> list[logging.LogRecord]:
+        async def run():
+            loop = asyncio.get_running_loop()
+            loop.set_exception_handler(handler)
+            future = loop.create_future()
+            future.set_exception(exception)
+            del future  # never read: asyncio reports it when the future is collected
+            gc.collect()
+
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG):
+            asyncio.run(run())
+        return [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+    # what hivemind's averager loop logged, with a traceback, after an all-reduce cancelled part-way
+    assert leave_unread(asyncio.CancelledError(), None)
+    assert not leave_unread(asyncio.CancelledError(), quiet_cancelled)
+    # any other exception nobody read is still an error
+    assert leave_unread(RuntimeError("lost"), quiet_cancelled)

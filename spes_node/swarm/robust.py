@@ -715,6 +715,9 @@ class RobustAverager(DecentralizedAverager):
     async def _aggregate_with_group(
         self, group_info: GroupInfo, min_vector_size: int, **kwargs
     ) -> GroupOutcome:
+        loop = asyncio.get_running_loop()
+        if loop.get_exception_handler() is None:
+            loop.set_exception_handler(quiet_cancelled)
         rejected: dict[PeerID, str] = {}
         payloads: dict[PeerID, Any] = {}
         entries = []
@@ -796,6 +799,17 @@ class RobustAverager(DecentralizedAverager):
             report["fraction"] = container.failed_size / max(1, sum(t.numel() for t in tensors))
             report["bytes_sent"], report["bytes_received"] = runner.bytes_sent, runner.bytes_received
             report["reducer_errors"] = {peer.to_base58(): why for peer, why in runner.reducer_errors.items()}
+
+
+def quiet_cancelled(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """The averager loop's exception handler: an all-reduce cancelled part-way (its timeout, a member gone) can
+    leave one of hivemind's futures holding a CancelledError that nothing reads, which asyncio would log as an
+    error with a traceback when the future is collected. The round reports the failed all-reduce already; that one
+    goes to the debug log, anything else to asyncio's default handler."""
+    if isinstance(context.get("exception"), asyncio.CancelledError):
+        logger.debug(f"{context.get('message')}: {context.get('future')!r}")
+        return
+    loop.default_exception_handler(context)
 
 
 def cancel_running_groups(groups: Iterable[asyncio.Future]) -> int:
