@@ -197,9 +197,10 @@ class SwarmConfig:
     """Keep training while a round's all-reduce runs and apply its result with the local progress made meanwhile
     (false: training waits for the round, as published)."""
     train_while_waiting: bool = True
-    """A node that reaches the sync while peers it averages with are still training goes on training for as many
-    whole steps as their records say they need (at most a round's wait), instead of idling in matchmaking; the
-    extra steps are part of its round (false: it waits at step H, as published)."""
+    """A node that reaches the sync while peers it averages with are still training goes on training, step by step
+    while another ends before the slowest of them is due by its record (at most a round's wait), instead of idling
+    in matchmaking; the extra steps are part of its round, at the learning rate of its end, and weigh no more than
+    H steps (false: it waits at step H, as published)."""
     matchmaking_time: float = 5.0
     """Seconds a node waits to gather peers into an averaging group."""
     averaging_timeout: float = 60.0
