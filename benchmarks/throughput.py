@@ -143,6 +143,11 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
     base = variants["no_sync"]["tokens_per_s_per_node"]
     whole_base = variants["no_sync"]["whole_run_tokens_per_s_per_node"]
     default = "overlap" if load_preset(settings["preset"]).swarm.overlap else "sync"
+    other_ratios = {
+        f"throughput_ratio_{name}": variants[name]["compute_share"] / share
+        for name in variants
+        if name not in HEADLINE_VARIANTS
+    }
     results = {
         "throughput_ratio": variants[default]["compute_share"] / share,
         "headline_variant": default,
@@ -155,11 +160,7 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
             variants["overlap"]["tokens_per_s_per_node"] / base if "overlap" in variants else None
         ),
         "raw_whole_run_ratio": variants["sync"]["whole_run_tokens_per_s_per_node"] / whole_base,
-        **{
-            f"throughput_ratio_{name}": variants[name]["compute_share"] / share
-            for name in variants
-            if name not in HEADLINE_VARIANTS
-        },
+        **other_ratios,
         "method": "headline: share of wall time in training steps (steady state), with sync / without sync",
         "variants": variants,
     }
@@ -197,8 +198,8 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
         )
     )
     loads = [v["load"] for v in variants.values()]
-    name = settings.get("result") or (f"throughput_{rate:g}mbit" if rate else "throughput")
-    write_result(name, settings, results, {"per_variant": loads})
+    result_name = settings.get("result") or (f"throughput_{rate:g}mbit" if rate else "throughput")
+    write_result(result_name, settings, results, {"per_variant": loads})
     if write_latest:
         keys = ("throughput_ratio", "throughput_ratio_as_published", "throughput_ratio_overlap")
         merge_latest(
@@ -208,11 +209,7 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
                 # the suite's name for it (run_all); left out, latest.json kept another run's raw ratio
                 "throughput_raw_tokens_per_s_ratio": results["raw_tokens_per_s_ratio"],
                 "throughput_link_mbit": rate,
-                **{
-                    f"throughput_ratio_{name}": results[f"throughput_ratio_{name}"]
-                    for name in variants
-                    if name not in HEADLINE_VARIANTS
-                },
+                **other_ratios,
             }
         )
     return results

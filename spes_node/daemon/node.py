@@ -810,9 +810,8 @@ class Node:
                 self.status.add_bytes("refresh", 0, self.sync.take_refresh_bytes())
                 if self.sync.round_ready():
                     self._complete_round()
-                started = time.perf_counter()
                 stats = self.trainer.train_step(self.status.round * H + min(self.steps_into_round, H))
-                self.pacer.note_step(time.perf_counter() - started)
+                self.pacer.note_step(stats.seconds)
                 self.steps_into_round += 1
                 self.tokens_since_sync += stats.tokens
                 self.status.tokens += stats.tokens

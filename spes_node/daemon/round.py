@@ -401,7 +401,7 @@ class SpesRound:
         shared_local = shared_parameters(self.model)
         shards_local = {shard: shard_tensors(self.model, shard) for shard in self.shards}
         others = live_peers(inputs.nodes, self.peer_id, self.bans.active())
-        extra, etas = self._expected_wait(inputs.nodes, inputs.round, inputs.me)
+        extra, etas = self._expected_wait(others, inputs.round, inputs.me)
         logger.info(
             f"round {inputs.round + 1}: looking for groups ({len(others)} live peers"
             + (f", waiting up to {extra:.1f}s more for peers about to finish" if extra > 0 else "")
@@ -453,19 +453,20 @@ class SpesRound:
         through instead of idling (`progress.another_step_fits`). Those peers count as waited for: if they do not come,
         they are no-shows, as if the round itself had waited (a record claiming a peer about to finish would
         otherwise stretch every round by a wait's worth of steps, for good)."""
-        wait, etas = self._expected_wait(nodes, round_, me)
+        others = live_peers(nodes, self.peer_id, self.bans.active())
+        wait, etas = self._expected_wait(others, round_, me)
         self._waited_ahead = {peer for peer, eta in etas.items() if eta > 0}
         return wait
 
     def _expected_wait(
-        self, nodes: Mapping[str, records.NodeInfo], round_: int, me: records.NodeInfo
+        self, others: Mapping[str, records.NodeInfo], round_: int, me: records.NodeInfo
     ) -> tuple[float, dict[str, float]]:
-        """Seconds this round's groups wait beyond the matchmaking window, and each peer's eta.
+        """Seconds this round's groups wait beyond the matchmaking window for the live peers `others`, and each
+        peer's eta.
 
         A round waits for peers about to finish it, so that a node that fell out of step (a pause, a slow step)
         meets the others again instead of missing them round after round; but not for a peer that was waited for
         in vain before (a record may claim a peer about to finish forever), and at most `wait_cap`."""
-        others = live_peers(nodes, self.peer_id, self.bans.active())
         excused = excused_peers(self._no_shows)
         etas = peer_etas(
             {peer: node for peer, node in others.items() if peer not in excused},
