@@ -82,6 +82,7 @@ def node_rate(node: NodeRun, sync_steps: int) -> dict:
         "step_seconds_mean": compute / len(steps[first:]),
         "round_seconds": [r["end"] - r["start"] for r in rounds],
         "round_steps": [r.get("report", {}).get("steps") for r in rounds],
+        "round_phases": [r.get("report", {}).get("phases", {}) for r in rounds],
     }
 
 
@@ -175,6 +176,9 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
                 "step s",
                 "round s",
                 "steps/round",
+                "matchmaking s",
+                "all-reduce s",
+                "after s",
                 "load",
             ],
             [
@@ -188,6 +192,7 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
                     sum(sum(r["round_seconds"]) / len(r["round_seconds"]) for r in v["nodes"])
                     / len(v["nodes"]),
                     _mean_round_steps(v["nodes"]),
+                    *(_mean_phase(v["nodes"], phase) for phase in ("matchmaking", "allreduce", "after")),
                     v["load"]["loadavg_1min_mean"],
                 ]
                 for name, v in variants.items()
@@ -219,6 +224,12 @@ def _mean_round_steps(nodes: list[dict]) -> float | None:
     """Local steps per round over every node's rounds (H, plus steps trained while waiting for peers)."""
     steps = [s for node in nodes for s in node["round_steps"] if s is not None]
     return sum(steps) / len(steps) if steps else None
+
+
+def _mean_phase(nodes: list[dict], phase: str) -> float | None:
+    """Seconds of a round's `phase` (`RoundReport.phases`) over every node's rounds, the first (warm-up) left out."""
+    seconds = [p[phase] for node in nodes for p in node.get("round_phases", [])[1:] if phase in p]
+    return sum(seconds) / len(seconds) if seconds else None
 
 
 def _network(num_nodes: int, rate_mbit: float | None):

@@ -29,6 +29,7 @@ from spes_node.swarm.robust import (
     RobustAverager,
     RobustPartReducer,
     RobustPolicy,
+    check_part,
     check_result,
     open_gathered,
     robust_mean,
@@ -72,6 +73,44 @@ def test_non_finite_part_is_dropped(value):
     aggregate = robust_mean([parts[0], parts[1], bad], [1.0] * 3, SHAPE, own=0)
     assert aggregate.rejected == {2: "non-finite values"}
     torch.testing.assert_close(aggregate.result, _mean(parts[:2]))
+
+
+def test_large_finite_values_are_not_taken_for_non_finite_ones():
+    assert check_part(torch.full(SHAPE, 3e38), SHAPE) is None
+    assert check_part(torch.full(SHAPE, -3e38, dtype=torch.float64), SHAPE) is None
+    assert check_part(torch.zeros(0), torch.Size([0])) is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_robust_mean_is_centered_clipping_as_written_out(seed):
+    """The reducer's part-by-part arithmetic against the rule stated plainly, in float64: around our part c, each
+    kept part x_i moves the result by its capped share of the weight times min(1, tau / |x_i - c|) (x_i - c), tau
+    the median distance; a part beyond the bound is rejected, a huge weight capped."""
+    generator = torch.Generator().manual_seed(seed)
+    n = 3 + seed
+    parts = _honest(n, seed=seed, spread=0.05 * (1 + seed))
+    parts[-1] = parts[-1] + 0.5 * torch.randn(
+        SHAPE, generator=generator
+    )  # far, but within the bound: clipped
+    weights = [float(w) for w in torch.randint(1, 5, (n,), generator=generator)]
+    weights[1] = 1e6  # capped at twice the lower median
+    policy = RobustPolicy()
+    aggregate = robust_mean(parts, weights, SHAPE, own=0, policy=policy)
+    assert not aggregate.rejected
+
+    xs = [p.double().flatten() for p in parts]
+    center = xs[0]
+    distances = [float((x - center).norm()) for x in xs]
+    reference = max(float(center.norm()), sorted(float(x.norm()) for x in xs)[(n - 1) // 2])
+    tau = max(sorted(distances)[n // 2], policy.min_clip_ratio * reference)
+    cap = policy.weight_cap * sorted(weights)[(n - 1) // 2]
+    capped = [min(w, cap) for w in weights]
+    expected = center.clone()
+    for x, distance, w in zip(xs, distances, capped):
+        if distance > 0:
+            expected += w / sum(capped) * min(1.0, tau / distance) * (x - center)
+    torch.testing.assert_close(aggregate.result.double().flatten(), expected, rtol=1e-5, atol=1e-6)
+    assert aggregate.own_share == pytest.approx(capped[0] / sum(capped))
 
 
 def test_huge_part_is_dropped_even_in_a_group_of_two():

@@ -126,6 +126,11 @@ def test_rounds_begin_once_every_live_holder_is_in_not_at_the_end_of_the_window(
         for report in rounds:
             assert report["shared_group"] == 2 and report["shard_groups"] == {"0": 2}, report
             assert report["seconds"] < window and not report["errors"], report
+            # where the round's time went: every phase timed, together the round
+            phases = report["phases"]
+            assert set(phases) == {"matchmaking", "allreduce", "after"}, report
+            assert phases["allreduce"] > 0 and phases["matchmaking"] < window, report
+            assert sum(phases.values()) == pytest.approx(report["seconds"], abs=1e-3), report
 
 
 def test_late_joiner_starts_from_swarm_weights(swarm_factory):

@@ -71,6 +71,8 @@ def _count(dhts: list, compression: str, average: str) -> list[tuple[int, int]]:
             ]
             results = [a.finish(handle)[0] for a, handle in zip(group, handles)]
             if all(r.group_size == MEMBERS and r.error is None and not r.failed_reducers for r in results):
+                # the step's time splits into matchmaking and the all-reduce, which the averager process timed
+                assert all(0 < r.allreduce_seconds <= r.seconds for r in results), results
                 return [(r.bytes_sent, r.bytes_received) for r in results]
             if all(r.group_size == 1 and r.bytes_sent == 0 for r in results) and not any(
                 "unresponsive" in (r.error or "") for r in results

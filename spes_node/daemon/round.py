@@ -131,6 +131,10 @@ class RoundReport:
     """Local steps of the round: H, plus any trained while waiting for slower peers."""
     steps_while_waiting: int = 0
     """Of `steps`, those past H (`swarm.train_while_waiting`)."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Where the round's `seconds` went: "matchmaking" (finding groups, waiting for their members), "allreduce"
+    (the longest of its all-reduces) and "after" (applying the averages, then catching up, refreshing, merging and
+    publishing). With `overlapped`, the first two also hold the local steps trained meanwhile."""
 
     def add_bytes(self, kind: str, sent: int, received: int) -> None:
         self.bytes_sent[kind] = self.bytes_sent.get(kind, 0) + sent
@@ -159,6 +163,7 @@ class RoundReport:
             "anchors": dict(self.anchors),
             "steps": self.steps,
             "steps_while_waiting": self.steps_while_waiting,
+            "phases": dict(self.phases),
         }
 
 
@@ -574,6 +579,9 @@ class SpesRound:
             steps_while_waiting=max(inputs.steps - self.cfg.swarm.sync_steps, 0),
         )
         report.errors.extend(flight.errors)
+        averaged_in = time.perf_counter() - flight.started
+        allreduce = max((group[2].allreduce_seconds for group in groups), default=0.0)
+        report.phases = {"matchmaking": max(averaged_in - allreduce, 0.0), "allreduce": allreduce}
         joined = set(shared_result.peers).union(*(r.peers for r in shard_results.values()))
         self._no_shows = no_shows(self._no_shows, flight.waited_for, joined)
         resyncs = []
@@ -610,6 +618,7 @@ class SpesRound:
             report.shards = self.shards
             report.data_part = next_data_part(nodes, self.peer_id, inputs.data_part) or inputs.data_part
         report.seconds = time.perf_counter() - flight.started
+        report.phases["after"] = report.seconds - averaged_in
         report.banned = sorted(self.bans.active())
         report.add_bytes("refresh", 0, self.take_refresh_bytes())
         report.anchors = {key: anchor_id[:16] for key, anchor_id in self.anchor_ids.items()}
@@ -622,7 +631,8 @@ class SpesRound:
         summary = report.as_dict()
         logger.info(
             f"round {report.round} done: loss {report.loss:.4f}, shared group {report.shared_group}, {shard_groups}, "
-            f"{(summary['bytes_shared'] + summary['bytes_shard']) / 1e6:.2f} MB averaged, {report.seconds:.1f}s"
+            f"{(summary['bytes_shared'] + summary['bytes_shard']) / 1e6:.2f} MB averaged, {report.seconds:.1f}s "
+            f"({', '.join(f'{phase} {seconds:.1f}s' for phase, seconds in report.phases.items())})"
             + (" (overlapped)" if report.overlapped else "")
             + (
                 f", {report.steps_while_waiting} steps trained while waiting"

@@ -79,6 +79,8 @@ class GroupResult:
     """Group members whose part of the vector was not averaged (it kept our local values)."""
     failed_fraction: float = 0.0
     """The share of the vector that kept local values."""
+    allreduce_seconds: float = 0.0
+    """Of `seconds`, the all-reduce (the rest was matchmaking: finding the group, waiting for its members)."""
 
     @property
     def anchors(self) -> dict[str, str | None]:
@@ -263,6 +265,7 @@ class GroupAverager:
             n, seconds, outcome.bytes_sent, outcome.bytes_received, peers=peers, rejected=rejected
         )
         result.failed_reducers, result.failed_fraction = outcome.failed_reducers, outcome.failed_fraction
+        result.allreduce_seconds = min(outcome.allreduce_seconds, seconds)
         if outcome.failed_reducers:
             why = "; ".join(f"{peer[:12]}: {reason}" for peer, reason in outcome.reducer_errors.items())
             result.error = (

@@ -138,7 +138,8 @@ def check_part(part: Any, shape: torch.Size) -> str | None:
         return f"shape {tuple(part.shape)}, expected {tuple(shape)}"
     if not part.dtype.is_floating_point:
         return f"dtype {part.dtype}"
-    if not bool(torch.isfinite(part).all()):
+    if part.numel() and not all(math.isfinite(float(x)) for x in torch.aminmax(part)):
+        # NaN and inf both reach the minimum or the maximum; one pass, no boolean copy of the part
         return "non-finite values"
     return None
 
@@ -149,8 +150,8 @@ def _check_weight(weight: Any) -> str | None:
     return None
 
 
-def _lower_median(values: torch.Tensor) -> float:
-    return float(values.sort().values[(len(values) - 1) // 2])
+def _lower_median(values: Sequence[float]) -> float:
+    return sorted(values)[(len(values) - 1) // 2]
 
 
 def robust_mean(
@@ -160,7 +161,11 @@ def robust_mean(
     own: int | None = None,
     policy: RobustPolicy = RobustPolicy(),
 ) -> Aggregate:
-    """Centered-clipping mean of `parts` around `parts[own]` (around their coordinate-wise median without one)."""
+    """Centered-clipping mean of `parts` around `parts[own]` (around their coordinate-wise median without one).
+
+    The reducer of every all-reduce part runs this in the averager's event loop, so it works part by part without
+    stacking the senders' copies: one difference from the center per other sender, their norms, and the result
+    as the center plus their clipped, weighted sum (float32, like the parts)."""
     rejected: dict[int, str] = {}
     valid = []
     for i, (part, weight) in enumerate(zip(parts, weights)):
@@ -174,29 +179,35 @@ def robust_mean(
         fallback = own_part if isinstance(own_part, torch.Tensor) else torch.zeros(shape)
         return Aggregate(fallback.float().reshape(shape), rejected)
 
-    xs = torch.stack([parts[i].float() for i in valid])
-    center = xs[valid.index(own)] if own in valid else xs.median(dim=0).values
-    distances = (xs - center).flatten(1).norm(dim=1)
-    reference = max(float(center.norm()), _lower_median(xs.flatten(1).norm(dim=1)))
+    xs = [parts[i].float().reshape(-1) for i in valid]
+    own_k = valid.index(own) if own in valid else None
+    center = xs[own_k] if own_k is not None else torch.stack(xs).median(dim=0).values
+    diffs = [None if k == own_k else x - center for k, x in enumerate(xs)]
+    distances = [0.0 if d is None else float(d.norm()) for d in diffs]
+    reference = max(float(center.norm()), _lower_median([float(x.norm()) for x in xs]))
     limit = policy.max_distance_ratio * reference + _TINY
-    keep = [k for k, i in enumerate(valid) if i == own or float(distances[k]) <= limit]
+    keep = [k for k, i in enumerate(valid) if i == own or distances[k] <= limit]
     for k, i in enumerate(valid):
         if k not in keep:
-            rejected[i] = f"{float(distances[k]):.3g} away from ours, more than {limit:.3g}"
+            rejected[i] = f"{distances[k]:.3g} away from ours, more than {limit:.3g}"
 
-    w = torch.tensor([float(weights[valid[k]]) for k in keep], dtype=torch.float64).clamp(
-        max=policy.max_weight
-    )
-    w = w.clamp(max=policy.weight_cap * _lower_median(w)) if _lower_median(w) > 0 else w
+    w = [min(float(weights[valid[k]]), policy.max_weight) for k in keep]
+    cap = policy.weight_cap * _lower_median(w)
+    w = [min(x, cap) for x in w] if cap > 0 else w
+    total = math.fsum(w)
     own_kept = next((k for k, j in enumerate(keep) if valid[j] == own), None)
-    if float(w.sum()) <= 0:
-        return Aggregate(center.clone(), rejected, own_share=1.0 if own_kept is not None else 0.0)
-    own_share = float(w[own_kept] / w.sum()) if own_kept is not None else 0.0
-    kept_distances = distances[keep]
-    tau = max(float(kept_distances.sort().values[len(keep) // 2]), policy.min_clip_ratio * reference, _TINY)
-    scale = (tau / kept_distances.clamp(min=_TINY)).clamp(max=1.0).double() * w / w.sum()
-    shift = ((xs[keep] - center).flatten(1).double() * scale[:, None]).sum(0)
-    return Aggregate((center.flatten().double() + shift).float().reshape(shape), rejected, own_share)
+    if total <= 0:
+        return Aggregate(
+            center.reshape(shape).clone(), rejected, own_share=1.0 if own_kept is not None else 0.0
+        )
+    own_share = w[own_kept] / total if own_kept is not None else 0.0
+    kept_distances = sorted(distances[k] for k in keep)
+    tau = max(kept_distances[len(keep) // 2], policy.min_clip_ratio * reference, _TINY)
+    result = center.clone()
+    for k, weight in zip(keep, w):
+        if diffs[k] is not None and weight > 0:
+            result.add_(diffs[k], alpha=min(tau / max(distances[k], _TINY), 1.0) * weight / total)
+    return Aggregate(result.reshape(shape), rejected, own_share)
 
 
 def check_result(delta: Any, local: torch.Tensor, policy: RobustPolicy = RobustPolicy()) -> str | None:
@@ -596,6 +607,8 @@ class GroupOutcome:
     """Serialized all-reduce messages we received."""
     reducer_errors: dict[str, str] = field(default_factory=dict)
     """Peer id (base58) -> why its part failed, for reducers that failed on the way (not the banned or ignored)."""
+    allreduce_seconds: float = 0.0
+    """From the group's assembly to the end of its all-reduce (the rest of a step is matchmaking)."""
 
 
 def open_gathered(entry: bytes, peer_id: bytes, prefix: str, swarm_key: SwarmKey | None) -> tuple[int, Any]:
@@ -746,6 +759,7 @@ class RobustAverager(DecentralizedAverager):
             bytes_sent=int(report.get("bytes_sent", 0)),
             bytes_received=int(report.get("bytes_received", 0)),
             reducer_errors=dict(report.get("reducer_errors", {})),
+            allreduce_seconds=float(report.get("seconds", 0.0)),
             gathered={
                 peer.to_base58(): payloads[peer]
                 for peer in group_info.peer_ids
@@ -768,6 +782,7 @@ class RobustAverager(DecentralizedAverager):
         # hivemind's _run_allreduce_inplace_ with RobustAllReduceRunner (this averager is never auxiliary); with
         # updates, the runner yields the values to apply, not differences
         group_id = group_info.group_id if group_id is None else group_id
+        began = time.perf_counter()
         runner = RobustAllReduceRunner(
             p2p=self._p2p,
             servicer_type=type(self),
@@ -799,6 +814,7 @@ class RobustAverager(DecentralizedAverager):
             report["fraction"] = container.failed_size / max(1, sum(t.numel() for t in tensors))
             report["bytes_sent"], report["bytes_received"] = runner.bytes_sent, runner.bytes_received
             report["reducer_errors"] = {peer.to_base58(): why for peer, why in runner.reducer_errors.items()}
+            report["seconds"] = time.perf_counter() - began
 
 
 def quiet_cancelled(loop: asyncio.AbstractEventLoop, context: dict) -> None:
