@@ -109,6 +109,7 @@ def test_with_refresh_every_two_rounds_the_chain_steps_on_refresh_rounds_by_the_
         for round_ in range(1, 12):
             restart = round_ == 7  # a merge at round 7: the chain starts again at the next refresh round
             publisher.publish(round_, {}, {0: weights[round_]}, {}, restart=restart)
+            publisher.flush()  # the update is encoded on a thread of its own, then served
             update = server.snapshots.get("update:0")
             served_updates[round_] = None if update is None else update.round
             if round_ == 2:  # a follower takes the whole shard of the chain's first round
@@ -122,6 +123,7 @@ def test_with_refresh_every_two_rounds_the_chain_steps_on_refresh_rounds_by_the_
                 assert _max_error(follower, weights[round_]) <= two_rounds / 127 + 2.0**-10 * 0.1
                 assert _max_error(follower, weights[round_ - 1]) > two_rounds / 127 + 2.0**-10 * 0.1
     finally:
+        publisher.shutdown()
         loop.stop()
     # round 1 is no refresh round: no chain; 2 starts it; 4 and 6 step it, each update served until the next;
     # the restart at 7 withdraws it, 8 starts the chain again, 10 steps it
@@ -138,6 +140,43 @@ def test_with_refresh_every_two_rounds_the_chain_steps_on_refresh_rounds_by_the_
         10: 10,
         11: 10,
     }
+
+
+def test_an_update_is_encoded_after_publish_returns_and_not_served_if_its_chain_ended_meanwhile(monkeypatch):
+    import spes_node.swarm.snapshots as snapshots
+
+    started, release = threading.Event(), threading.Event()
+    encode = snapshots.encode_update
+
+    def held_encode(*args):
+        started.set()
+        assert release.wait(60)
+        return encode(*args)
+
+    monkeypatch.setattr(snapshots, "encode_update", held_encode)
+    weights = _trajectory(4)
+    publisher, server, loop = _publisher(every=1)
+    try:
+        publisher.publish(1, {}, {0: weights[1]}, {})  # the chain starts
+        publisher.publish(2, {}, {0: weights[2]}, {})  # returns while round 2's update is being encoded
+        assert started.wait(60)
+        assert server.snapshots["shard:0"].round == 2 and "update:0" not in server.snapshots
+        release.set()
+        publisher.flush()
+        assert server.snapshots["update:0"].round == 2
+        started.clear(), release.clear()
+        publisher.publish(3, {}, {0: weights[3]}, {})
+        assert started.wait(60)
+        publisher.publish(
+            3, {}, {0: weights[3]}, {}, restart=True
+        )  # a merge in round 3: the chain starts again
+        release.set()
+        publisher.flush()
+        assert "update:0" not in server.snapshots, "an update of the ended chain would not fit the new one"
+    finally:
+        release.set()
+        publisher.shutdown()
+        loop.stop()
 
 
 # ---------------------------------------------------------------------------------------------- the choice

@@ -865,6 +865,8 @@ class SpesRound:
 
     def shutdown(self) -> None:
         self.frozen.cancel()
+        if self.publisher is not None:
+            self.publisher.shutdown()
         for averager in (self.shared_avg, *self.shard_avgs.values()):
             if averager is not None:
                 averager.shutdown()

@@ -13,10 +13,18 @@ fp16, however many rounds apart refreshes are. The chain steps on the refresh ro
 that every holder's chain and every follower's copy meet on the same rounds. The update is taken against the
 holder's published chain (what a follower that applied every update holds, `encode_update`), not against the
 previous weights, so a follower's error stays within one refresh's rounding however many refreshes it follows.
+
+Encoding an update (a difference, a quantisation and the chain's next step over the whole shard) takes a CPU a
+while: seconds at spes-7b's shards. It runs on a thread of its own, after `publish` has returned, so the round's
+training does not wait for it; "update:<j>" is published when it is ready, and a follower asking for it meanwhile
+is answered once it is (`StateServer` waits for a part of the round asked for).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
+import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import partial
 
@@ -29,6 +37,8 @@ from spes_node.swarm.codecs import WIRE_CODECS
 from spes_node.swarm.transfer import Deferred, Snapshot, StateServer
 
 Tensors = Mapping[str, torch.Tensor]
+
+logger = logging.getLogger(__name__)
 
 
 class FrozenShard:
@@ -55,8 +65,12 @@ class SnapshotPublisher:
         if every < 1:
             raise ValueError(f"every: must be at least 1, got {every}")
         self.server, self.loop, self.dtype, self.updates, self.every = server, loop, dtype, updates, every
-        self._chains: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
-        """Own shard -> (round, the state a follower of our updates holds at that round)."""
+        self._chains: dict[int, tuple[int, Chain]] = {}
+        """Own shard -> (round, the state a follower of our updates holds at that round, or its encoding)."""
+        self._encoder = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="spes-update")
+        self._lock = threading.Lock()
+        """Held while the chains change, and while an encoded update is published: an update whose chain ended
+        meanwhile is never served."""
 
     def frozen_part(self, frozen: FrozenShard) -> dict[str, Deferred]:
         """A frozen shard served from its own buffers, read one tensor at a time when asked for: no copy of it is
@@ -81,6 +95,10 @@ class SnapshotPublisher:
         the own shards in `premerge` also as "premerge:<j>" (this round's merge inputs). `restart`: the own shards'
         weights changed within a round already published (a merge, weights taken from the swarm): their update
         chains start again from these weights, and followers take the whole shard next."""
+        with self._lock:
+            self._publish(round_, shared, own, frozen, premerge, restart)
+
+    def _publish(self, round_, shared, own, frozen, premerge, restart) -> None:
         parts = {"shared": cpu_copy(shared, self.dtype)}
         for shard, tensors in own.items():
             parts[f"shard:{shard}"] = copied = cpu_copy(tensors, self.dtype)
@@ -112,8 +130,10 @@ class SnapshotPublisher:
         if chain is not None and chain[0] == round_:
             return
         if chain is not None and refresh_round and chain[0] == round_ - self.every:
-            parts[f"update:{shard}"], advanced = encode_update(chain[1], served, self.dtype)
-            self._chains[shard] = (round_, advanced)
+            # the update of the round before stops being served: a follower asks for this round's
+            self._run(self.server.withdraw(f"update:{shard}"))
+            encoding = self._encoder.submit(self._encode, shard, round_, chain[1], served)
+            self._chains[shard] = (round_, encoding)
             return
         if chain is not None and not refresh_round and chain[0] > round_ - self.every:
             return
@@ -123,6 +143,31 @@ class SnapshotPublisher:
         else:
             self._chains.pop(shard, None)
 
+    def _encode(self, shard: int, round_: int, base: Chain, served: dict[str, torch.Tensor]) -> dict:
+        """On the encoder's thread: the update of `round_` from the chain's state `base`; served at once unless
+        the chain moved on meanwhile. Returns the chain's next state."""
+        try:
+            update, advanced = encode_update(_chain_state(base), served, self.dtype)
+        except Exception as e:  # followers take the whole shard; the chain starts again at the next refresh round
+            logger.warning(f"update of shard {shard} for round {round_} not encoded: {type(e).__name__}: {e}")
+            update, advanced = None, None
+        with self._lock:
+            chain = self._chains.get(shard)
+            # still this encoding's chain: a restart replaces it by weights, a later refresh by another round
+            if chain is not None and chain[0] == round_ and isinstance(chain[1], concurrent.futures.Future):
+                if update is None:
+                    del self._chains[shard]
+                else:
+                    self._run(self.server.publish(f"update:{shard}", Snapshot(round_, update)))
+        return advanced
+
+    def flush(self) -> None:
+        """Wait until every update being encoded is served (or dropped, its chain having ended)."""
+        self._encoder.submit(lambda: None).result()
+
+    def shutdown(self) -> None:
+        self._encoder.shutdown(wait=False, cancel_futures=True)
+
     def _withdraw_stale_premerge(self, shard: int, round_: int) -> None:
         """A premerge snapshot lives for its round only (slower replicas still fetch it after our merge)."""
         stale = self.server.snapshots.get(f"premerge:{shard}")
@@ -131,6 +176,14 @@ class SnapshotPublisher:
 
     def _run(self, coro) -> None:
         self.loop.run(coro)
+
+
+Chain = dict[str, torch.Tensor] | concurrent.futures.Future
+"""An update chain's state at its round, or the encoding that computes it."""
+
+
+def _chain_state(chain: Chain) -> dict[str, torch.Tensor]:
+    return chain.result() if isinstance(chain, concurrent.futures.Future) else chain
 
 
 def cpu_copy(tensors: Tensors, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
