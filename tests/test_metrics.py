@@ -5,7 +5,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from spes_node.daemon.metrics import BYTE_KINDS, NodeMetrics
+from spes_node.daemon.metrics import BYTE_KINDS, PHASES, NodeMetrics
 from spes_node.daemon.node import NodeStatus
 
 
@@ -92,6 +92,13 @@ def test_a_round_report_counts_once(metrics):
     samples = _samples(metrics.render().decode())
     assert samples[("spes_steps_while_waiting_total", ())] == 5
     assert samples[("spes_round_steps", ())] == 12
+    # the time of the rounds counted, by phase
+    metrics.update(status, _report(7, phases={"matchmaking": 0.5, "allreduce": 3.0, "after": 0.25}))
+    metrics.update(status, _report(7, phases={"matchmaking": 9.0, "allreduce": 9.0, "after": 9.0}))
+    metrics.update(status, _report(8, phases={"matchmaking": 0.25, "allreduce": 2.0, "after": 0.5}))
+    samples = _samples(metrics.render().decode())
+    phases = {p: samples[("spes_round_phase_seconds_total", (("phase", p),))] for p in PHASES}
+    assert phases == {"matchmaking": 0.75, "allreduce": 5.0, "after": 0.75}
 
 
 def test_unknown_values_before_the_first_step():

@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 BYTE_KINDS = ("shared", "shard", "refresh", "state_download")
 GROUPS = ("shared", "shard")
 STATES = ("joining", "training", "averaging", "leaving")
+PHASES = ("matchmaking", "allreduce", "after")
+"""Where a round's time goes (`RoundReport.phases`)."""
 
 
 class _Snapshot:
@@ -45,6 +47,7 @@ class _Snapshot:
         self.failed_parts = 0
         self.round_steps = 0
         self.steps_while_waiting = 0
+        self.phase_seconds = {phase: 0.0 for phase in PHASES}
 
 
 class _NodeCollector(Collector):
@@ -75,6 +78,14 @@ class _NodeCollector(Collector):
         )
         for group in GROUPS:
             groups.add_metric([group], s.group_size[group])
+        phases = CounterMetricFamily(
+            "spes_round_phase_seconds",
+            "Time spent in round syncs, by phase: matchmaking (finding groups, waiting for their members), "
+            "allreduce, after (applying the averages, refreshing, merging, publishing).",
+            labels=["phase"],
+        )
+        for phase in PHASES:
+            phases.add_metric([phase], s.phase_seconds[phase])
         return [
             _gauge("spes_loss", "Training loss of the latest local step.", s.loss),
             _gauge("spes_round_loss", "Mean training loss of the last finished round.", s.round_loss),
@@ -88,6 +99,7 @@ class _NodeCollector(Collector):
             _gauge("spes_round_duration_seconds", "Duration of the last round's sync.", s.round_seconds),
             _counter("spes_rounds", "Rounds finished by this node.", s.rounds),
             _counter("spes_round_seconds", "Total time spent in round syncs.", s.round_seconds_total),
+            phases,
             _gauge("spes_round_steps", "Local steps of the last finished round.", s.round_steps),
             _counter(
                 "spes_steps_while_waiting",
@@ -160,6 +172,9 @@ class NodeMetrics:
                 s.failed_parts += int(report.get("failed_parts", 0))
                 s.round_steps = int(report.get("steps", 0))
                 s.steps_while_waiting += int(report.get("steps_while_waiting", 0))
+                for phase, seconds in report.get("phases", {}).items():
+                    if phase in s.phase_seconds and math.isfinite(seconds) and seconds >= 0:
+                        s.phase_seconds[phase] += seconds
 
     def render(self) -> bytes:
         """The text a scrape returns."""

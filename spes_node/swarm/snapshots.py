@@ -148,7 +148,9 @@ class SnapshotPublisher:
         the chain moved on meanwhile. Returns the chain's next state."""
         try:
             update, advanced = encode_update(_chain_state(base), served, self.dtype)
-        except Exception as e:  # followers take the whole shard; the chain starts again at the next refresh round
+        except (
+            Exception
+        ) as e:  # followers take the whole shard; the chain starts again at the next refresh round
             logger.warning(f"update of shard {shard} for round {round_} not encoded: {type(e).__name__}: {e}")
             update, advanced = None, None
         with self._lock:
