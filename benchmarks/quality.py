@@ -12,6 +12,8 @@ setting's seeds differ only by the seed. Settings:
 - spes_4x1_refresh2: spes_4x1 with the frozen experts refreshed every other round (`swarm.refresh_every` = 2);
 - spes_4x1_overlap: spes_4x1 with `swarm.overlap`: training goes on during a round, whose result lands 5 steps (a
   quarter of H) into the next round and is applied with the progress made since;
+- spes_4x1_overlap_shards (not in the default runs): spes_4x1_overlap with only the shards' all-reduces overlapped;
+  the shared parameters' result is applied at once, as published;
 - spes_4x1_16e: spes_4x1 on the model with twice the experts, whose all-experts node does not fit the per-node
   memory that diloco uses (equal per-node memory; measured from the tensors).
 - spes_4x1_uneven (not in the default runs): spes_4x1 on unequal cards, whose faster nodes train while they wait
@@ -105,6 +107,15 @@ SETUPS = {
             1,
             overlap_steps=5,
             description="spes_4x1, overlap: a round lands 5 steps late",
+        ),
+        Setting(
+            "spes_4x1_overlap_shards",
+            4,
+            1,
+            overlap_steps=5,
+            overlap_groups=("shard",),
+            description="spes_4x1_overlap with only the shards' all-reduces overlapped (the shared parameters' "
+            "result applied at once)",
         ),
         Setting(
             "spes_4x1_overlap_blend",

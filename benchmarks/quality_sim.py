@@ -65,6 +65,9 @@ class Setting:
     overlap_steps: int = 0
     """`swarm.overlap`: a round's result lands this many local steps into the next round, applied with the local
     progress made since (0: training waits for the round, as published). fp32 wire only."""
+    overlap_groups: tuple[str, ...] = ("shared", "shard")
+    """With overlap, the groups whose all-reduce runs beside the next round's steps; the others' result is applied
+    at once, training waiting for it (("shard",): only the shards' all-reduces, the bulk of the bytes, overlap)."""
     overlap_blend: float | None = None
     """With overlap, how the landed round meets the local weights: None adds the local progress made since to the
     round's result (the daemon's rule); a number b blends them instead, b x local + (1 - b) x result (Streaming
@@ -375,7 +378,7 @@ class SimSwarm:
         else:
             averaged = {name: torch.stack([local[name] for local in locals_]).mean(0) for name in start}
         for m, local in zip(members, locals_):
-            if self.pending is None:
+            if self.pending is None or kind not in self.setting.overlap_groups:
                 m.outer[kind].apply(local, averaged)
                 continue
             before, result = _clone(local), _clone(local)

@@ -342,6 +342,32 @@ def test_simulated_overlap_applies_the_round_with_the_progress_made_since(tmp_pa
         assert torch.allclose(weight(node), 0.5 * local[node.index] + 0.5 * averaged, atol=1e-6)
 
 
+def test_simulated_overlap_of_the_shards_only_applies_the_shared_average_at_once(tmp_path):
+    from benchmarks.quality_sim import Setting, SimSwarm, initial_weights, reshard, setting_config
+    from spes_node.model.ownership import shared_parameters
+    from spes_node.model.tokenizer import load_tokenizer
+
+    base = _sim_base(tmp_path)
+    # 2 nodes holding the same shard, so that the shard has a group to average in
+    setting = Setting("overlap_shards", 1, 2, merge=False, overlap_steps=2, overlap_groups=("shard",))
+    cfg = setting_config(base, setting, total_batch=4)
+    init = reshard(initial_weights(cfg, 0), cfg.model.num_layers, 1)
+    swarm = SimSwarm(cfg, setting, init, load_tokenizer(cfg.data.tokenizer), seed=0)
+    swarm.train_round()
+    a, b = swarm.nodes
+    shard_before = {n.index: {k: v.clone() for k, v in n.group("shard").items()} for n in (a, b)}
+    swarm.sync()
+    shared_a, shared_b = dict(shared_parameters(a.model)), dict(shared_parameters(b.model))
+    assert all(torch.equal(shared_a[k], shared_b[k]) for k in shared_a), (
+        "the shared average is applied at once"
+    )
+    for node in (a, b):  # the shards' all-reduce is in flight: the nodes keep their own shard weights
+        assert all(torch.equal(v, shard_before[node.index][k]) for k, v in node.group("shard").items())
+    assert {kind for _, kind, _, _ in swarm.pending} == {"shard"}
+    swarm.land()
+    assert all(torch.equal(v, b.group("shard")[k]) for k, v in a.group("shard").items())
+
+
 def test_simulated_unequal_cards_train_their_extra_steps_each_round(tmp_path):
     from benchmarks.quality_sim import Setting, SimSwarm, initial_weights, reshard, setting_config
     from spes_node.model.tokenizer import load_tokenizer
