@@ -179,6 +179,32 @@ def test_an_update_is_encoded_after_publish_returns_and_not_served_if_its_chain_
         loop.stop()
 
 
+def test_a_publisher_shut_down_with_an_update_being_encoded_neither_waits_for_it_nor_hangs(monkeypatch):
+    import spes_node.swarm.snapshots as snapshots
+
+    started, release = threading.Event(), threading.Event()
+    encode = snapshots.encode_update
+
+    def held_encode(*args):
+        started.set()
+        assert release.wait(60)
+        return encode(*args)
+
+    monkeypatch.setattr(snapshots, "encode_update", held_encode)
+    weights = _trajectory(3)
+    publisher, server, loop = _publisher(every=1)
+    publisher.publish(1, {}, {0: weights[1]}, {})
+    publisher.publish(2, {}, {0: weights[2]}, {})
+    assert started.wait(60)
+    publisher.shutdown()
+    loop.stop()  # the node stops its loop after the round's shutdown
+    publisher.flush()  # returns: nothing more is encoded
+    assert publisher._encoder.daemon, "an encoding in flight must not hold the process's exit"
+    release.set()  # it finishes into a stopped loop: its publish gives up instead of waiting forever
+    publisher._encoder.join(60)
+    assert not publisher._encoder.is_alive()
+
+
 # ---------------------------------------------------------------------------------------------- the choice
 
 

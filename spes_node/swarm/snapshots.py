@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import queue
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import partial
@@ -67,7 +68,11 @@ class SnapshotPublisher:
         self.server, self.loop, self.dtype, self.updates, self.every = server, loop, dtype, updates, every
         self._chains: dict[int, tuple[int, Chain]] = {}
         """Own shard -> (round, the state a follower of our updates holds at that round, or its encoding)."""
-        self._encoder = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="spes-update")
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._encoder: threading.Thread | None = None
+        """Encodes updates, one at a time, in order; a daemon thread, so that an encoding in flight never holds the
+        node's exit."""
+        self._closed = False
         self._lock = threading.Lock()
         """Held while the chains change, and while an encoded update is published: an update whose chain ended
         meanwhile is never served."""
@@ -132,7 +137,7 @@ class SnapshotPublisher:
         if chain is not None and refresh_round and chain[0] == round_ - self.every:
             # the update of the round before stops being served: a follower asks for this round's
             self._run(self.server.withdraw(f"update:{shard}"))
-            encoding = self._encoder.submit(self._encode, shard, round_, chain[1], served)
+            encoding = self._submit(self._encode, shard, round_, chain[1], served)
             self._chains[shard] = (round_, encoding)
             return
         if chain is not None and not refresh_round and chain[0] > round_ - self.every:
@@ -153,6 +158,8 @@ class SnapshotPublisher:
         ) as e:  # followers take the whole shard; the chain starts again at the next refresh round
             logger.warning(f"update of shard {shard} for round {round_} not encoded: {type(e).__name__}: {e}")
             update, advanced = None, None
+        if self._closed:  # the node is stopping: nothing more is served
+            return advanced
         with self._lock:
             chain = self._chains.get(shard)
             # still this encoding's chain: a restart replaces it by weights, a later refresh by another round
@@ -160,15 +167,41 @@ class SnapshotPublisher:
                 if update is None:
                     del self._chains[shard]
                 else:
-                    self._run(self.server.publish(f"update:{shard}", Snapshot(round_, update)))
+                    try:  # bounded: the node's loop may be stopping
+                        self.loop.run(self.server.publish(f"update:{shard}", Snapshot(round_, update)), 10.0)
+                    except Exception as e:
+                        logger.debug(f"update of shard {shard} for round {round_} not served: {e!r}")
         return advanced
+
+    def _submit(self, fn: Callable, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._closed:
+            future.cancel()
+            return future
+        self._jobs.put((future, fn, args))
+        if self._encoder is None:
+            self._encoder = threading.Thread(target=self._work, name="spes-update", daemon=True)
+            self._encoder.start()
+        return future
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:
+                    future.set_exception(e)
 
     def flush(self) -> None:
         """Wait until every update being encoded is served (or dropped, its chain having ended)."""
-        self._encoder.submit(lambda: None).result()
+        if self._encoder is not None and not self._closed:
+            self._submit(lambda: None).result()
 
     def shutdown(self) -> None:
-        self._encoder.shutdown(wait=False, cancel_futures=True)
+        """Encode nothing more (what is being encoded finishes on its daemon thread, and is not waited for)."""
+        self._closed = True
+        self._jobs.put(None)
 
     def _withdraw_stale_premerge(self, shard: int, round_: int) -> None:
         """A premerge snapshot lives for its round only (slower replicas still fetch it after our merge)."""
