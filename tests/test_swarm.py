@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ from hivemind.utils import get_dht_time
 from swarm_utils import Swarm, wait_for
 
 from spes_node.procs import descendants
+from spes_node.swarm.bootstrap import start_bootstrap
+from spes_node.swarm.identity import load_or_create_identity, peer_id_of
 
 pytestmark = pytest.mark.swarm
 
@@ -211,3 +214,24 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_a_joiner_tries_its_bootstrap_peer_again_until_it_answers(swarm_factory, tmp_path):
+    # the only peer a node is given is not up yet (a restart of the bootstrap machine, a dropped connection):
+    # p2pd gives up at once, and the node tries again instead of exiting
+    swarm = swarm_factory()
+    identity = tmp_path / "late.id"
+    load_or_create_identity(identity)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    swarm.maddr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer_id_of(identity).to_base58()}"
+    swarm.start("late", "--max-rounds", "1")
+    wait_for(lambda: "trying again" in swarm.log("late"), 120, "a first attempt that found nobody")
+    late = start_bootstrap([f"/ip4/127.0.0.1/tcp/{port}"], identity=str(identity))
+    try:
+        assert swarm.wait_exit("late", 240) == 0, swarm.log("late")[-3000:]
+    finally:
+        late.shutdown()
+    log = swarm.log("late")
+    assert "cannot reach the bootstrap peers yet" in log and "Traceback" not in log, log[-3000:]

@@ -59,6 +59,11 @@ from spes_node.swarm.swarm_key import SwarmKey
 
 logger = logging.getLogger(__name__)
 
+BOOTSTRAP_UNREACHABLE = "failed to connect to bootstrap peers"
+"""How p2pd says that none of the `--peers` answered (it then exits)."""
+BOOTSTRAP_RETRY_BASE_S, BOOTSTRAP_RETRY_MAX_S = 1.0, 8.0
+"""Waits between attempts to reach the bootstrap peers: 1, 2, 4, 8, 8... seconds, within `join_timeout`."""
+
 CONFIG_EXPIRATION_S = 3600.0
 CONFIG_REPUBLISH_S = 600.0
 SHUTDOWN_S = 10.0
@@ -557,25 +562,45 @@ class Node:
         )
 
     def _start_dht(self, identity_path: str) -> hivemind.DHT:
+        """Start the DHT. A bootstrap peer that cannot be reached (down for a moment, a connection lost to a loaded
+        link) is tried again, with growing waits, for `join_timeout` seconds in all; any other failure, or the
+        last one, is the one line of `NodeError`."""
         opts = self.opts
-        try:
-            dht = NodeDHT(
-                initial_peers=opts.peers or None,
-                host_maddrs=opts.host_maddrs,
-                announce_maddrs=opts.announce_maddrs or None,
-                identity_path=identity_path,
-                client_mode=opts.client_mode,
-                record_validators=records.record_validators(self.validator),
-                authorizer=opts.swarm_key.authorizer() if opts.swarm_key else None,
-                start=True,
-                startup_timeout=opts.join_timeout,
-                **relay.dht_kwargs(opts.relays),
-            )
-        except Exception as e:
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise NodeError(
-                f"cannot start or reach the DHT ({', '.join(opts.peers) or 'no peers'}): {reason}"
-            ) from None
+        deadline = time.monotonic() + opts.join_timeout
+        attempt = 0
+        while True:
+            try:
+                dht = NodeDHT(
+                    initial_peers=opts.peers or None,
+                    host_maddrs=opts.host_maddrs,
+                    announce_maddrs=opts.announce_maddrs or None,
+                    identity_path=identity_path,
+                    client_mode=opts.client_mode,
+                    record_validators=records.record_validators(self.validator),
+                    authorizer=opts.swarm_key.authorizer() if opts.swarm_key else None,
+                    start=True,
+                    startup_timeout=opts.join_timeout,
+                    **relay.dht_kwargs(opts.relays),
+                )
+                break
+            except Exception as e:
+                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                wait = min(BOOTSTRAP_RETRY_BASE_S * 2**attempt, BOOTSTRAP_RETRY_MAX_S)
+                if (
+                    opts.peers
+                    and BOOTSTRAP_UNREACHABLE in reason
+                    and time.monotonic() + wait < deadline
+                    and not self.stop_event.is_set()
+                ):
+                    logger.warning(
+                        f"cannot reach the bootstrap peers yet ({reason}): trying again in {wait:.0f}s"
+                    )
+                    self.stop_event.wait(wait)
+                    attempt += 1
+                    continue
+                raise NodeError(
+                    f"cannot start or reach the DHT ({', '.join(opts.peers) or 'no peers'}): {reason}"
+                ) from None
         if not opts.client_mode:
             maddrs = [str(m) for m in dht.get_visible_maddrs()]
             self.visible_maddrs = maddrs
