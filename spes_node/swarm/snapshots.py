@@ -113,7 +113,7 @@ class SnapshotPublisher:
             else:
                 self._withdraw_stale_premerge(shard, round_)
             if self.updates:
-                self._advance_chain(shard, round_, copied, restart, parts)
+                self._advance_chain(shard, round_, copied, restart)
         for shard, frozen_shard in frozen.items():
             parts[f"copy:{shard}"] = self.frozen_part(frozen_shard)
             self._chains.pop(shard, None)
@@ -122,11 +122,10 @@ class SnapshotPublisher:
         for part, tensors in parts.items():
             self._run(self.server.publish(part, Snapshot(round_, tensors)))
 
-    def _advance_chain(
-        self, shard: int, round_: int, served: dict[str, torch.Tensor], restart: bool, parts: dict
-    ) -> None:
-        """On a refresh round (a multiple of `every`), add this round's "update:<j>" to `parts` when the chain is at
-        the refresh before, or start the chain again from `served` (serving no update) when it is not. Between
+    def _advance_chain(self, shard: int, round_: int, served: dict[str, torch.Tensor], restart: bool) -> None:
+        """On a refresh round (a multiple of `every`), encode this round's "update:<j>" (served once ready, see
+        `_encode`) when the chain is at the refresh before, or start the chain again from `served` (serving no
+        update) when it is not. Between
         refresh rounds, and when a round is published again unchanged, the chain and its served update stay.
         `restart` (the weights changed within a published round) ends the chain: it starts again at the next
         refresh round, so that its rounds stay those followers refresh on."""
@@ -153,9 +152,8 @@ class SnapshotPublisher:
         the chain moved on meanwhile. Returns the chain's next state."""
         try:
             update, advanced = encode_update(_chain_state(base), served, self.dtype)
-        except (
-            Exception
-        ) as e:  # followers take the whole shard; the chain starts again at the next refresh round
+        except Exception as e:
+            # followers take the whole shard; the chain starts again at the next refresh round
             logger.warning(f"update of shard {shard} for round {round_} not encoded: {type(e).__name__}: {e}")
             update, advanced = None, None
         if self._closed:  # the node is stopping: nothing more is served
