@@ -86,7 +86,17 @@ def node_rate(node: NodeRun, sync_steps: int) -> dict:
     }
 
 
-VARIANTS = ("sync", "no_sync", "overlap", "sync_int8", "overlap_int8", "sync_idle", "uneven", "uneven_idle")
+VARIANTS = (
+    "sync",
+    "no_sync",
+    "overlap",
+    "overlap_shards",
+    "sync_int8",
+    "overlap_int8",
+    "sync_idle",
+    "uneven",
+    "uneven_idle",
+)
 HEADLINE_VARIANTS = ("sync", "no_sync", "overlap")
 INT8_UPDATES = {"average": "updates", "wire_compression": "int8"}
 
@@ -96,7 +106,8 @@ def config(settings: dict, variant: str) -> SpesConfig:
     swarm = {
         "num_shards": S,
         "replication_target": n // S,
-        "overlap": variant.startswith("overlap"),
+        "overlap": variant.startswith("overlap") and variant != "overlap_shards",
+        "overlap_shards": variant == "overlap_shards",
         "train_while_waiting": not variant.endswith("_idle"),
     }
     return load_preset(settings["preset"]).replace(

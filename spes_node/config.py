@@ -196,6 +196,10 @@ class SwarmConfig:
     overlap: bool = False
     """Keep training while a round's all-reduce runs and apply its result with the local progress made meanwhile
     (false: training waits for the round, as published)."""
+    overlap_shards: bool = False
+    """Overlap the shards' all-reduces only (the bulk of a round's bytes): training waits for the shared parameters'
+    all-reduce, applies its result, and goes on while the shards' run; their result is applied with the local
+    progress made meanwhile. `overlap` overlaps every group and supersedes it."""
     train_while_waiting: bool = True
     """A node that reaches the sync while peers it averages with are still training goes on training, step by step
     while another ends before the slowest of them is due by its record (at most a round's wait), instead of idling

@@ -157,6 +157,17 @@ def test_spes_7b_fits_a_48gb_card_with_any_round_options(swarm):
     assert "outer optimizer, anchor, overlap copies" in plan_table(plan)
 
 
+def test_overlapping_the_shards_only_costs_the_host_a_copy_of_the_own_shards():
+    cfg = load_preset("spes-7b")
+    counts = param_counts(cfg.model, cfg.swarm.num_shards)
+    published = memory_plan(cfg, 2, 80 * GIB)
+    shards_only = memory_plan(cfg.replace(swarm={"overlap_shards": True}), 2, 80 * GIB)
+    everything = memory_plan(cfg.replace(swarm={"overlap": True}), 2, 80 * GIB)
+    assert shards_only.outer - published.outer == 4 * 2 * counts["shard"]
+    assert everything.outer - published.outer == 4 * (counts["shared"] + 2 * counts["shard"])
+    assert shards_only.gpu_total == published.gpu_total
+
+
 def test_spes_1b_fits_a_24gb_card():
     cfg = load_preset("spes-1b")
     plan = memory_plan(cfg, 1, parse_size("24GB"))

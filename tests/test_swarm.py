@@ -235,3 +235,25 @@ def test_a_joiner_tries_its_bootstrap_peer_again_until_it_answers(swarm_factory,
         late.shutdown()
     log = swarm.log("late")
     assert "cannot reach the bootstrap peers yet" in log and "Traceback" not in log, log[-3000:]
+
+
+def test_overlapping_the_shards_only_lands_the_shared_average_at_once_and_the_shards_later(swarm_factory):
+    swarm = swarm_factory(num_shards=1, overlap_shards=True)
+    names = ("a", "b")
+    for name in names:
+        swarm.start(name, "--max-rounds", "3", "--wait-peers", "2")
+    for name in names:
+        assert swarm.wait_exit(name, 300) == 0, swarm.log(name)[-3000:]
+    for name in names:
+        rounds = swarm.summary(name)["rounds"]
+        assert len(rounds) == 3, rounds
+        for report in rounds:
+            assert report["shared_group"] == 2 and report["shard_groups"] == {"0": 2}, report
+            assert not report["errors"], report
+        # the shards' all-reduces ran beside the next steps; the last round (the node leaves after it) waited
+        assert [r["overlapped"] for r in rounds] == [True, True, False], rounds
+        assert "Traceback" not in swarm.log(name)
+    # the last round averaged both groups at once: both nodes leave with the same weights
+    a, b = (swarm.checkpoint(name).tensors for name in names)
+    _assert_close(_shared_tensors(a), _shared_tensors(b), "shared parameters of a vs b")
+    _assert_close(_shard_tensors(a, 0), _shard_tensors(b, 0), "shard 0 at its replicas")

@@ -862,13 +862,18 @@ class Node:
                 self._complete_round()
             last = self.opts.max_rounds is not None and self.rounds_done + 1 >= self.opts.max_rounds
             overlap = self.cfg.swarm.overlap and not last
+            # the shards' all-reduces only: the round waits for the shared parameters', then training goes on
+            overlap_shards = self.cfg.swarm.overlap_shards and not overlap and not last
             if not overlap and self._train_while_waiting():
                 continue
-            self._begin_round(overlap)
+            self._begin_round(overlap, overlap_shards)
             self.steps_into_round = 0
             self.pacer.new_round()
             self.tokens_since_sync = 0
-            if not overlap:
+            if overlap_shards:
+                self.sync.land_shared()
+                self.status.state = "training"
+            elif not overlap:
                 self._complete_round()
         if self.sync.round_in_flight():
             self._complete_round()
@@ -897,7 +902,7 @@ class Node:
         self.publish_record()
         return True
 
-    def _begin_round(self, overlap: bool) -> None:
+    def _begin_round(self, overlap: bool, overlap_shards: bool = False) -> None:
         """Announce that we average, read the swarm's records (the round's one read) and start the all-reduces.
 
         The refresh in flight lands first: it may wait for a holder to finish the round it asked for, and the records
@@ -918,7 +923,7 @@ class Node:
             data_part=self.data_part,
             steps=self.steps_into_round,
         )
-        self.sync.begin_round(inputs, overlap=overlap)
+        self.sync.begin_round(inputs, overlap=overlap, overlap_shards=overlap_shards)
         if overlap:
             self.status.state = "training"
 

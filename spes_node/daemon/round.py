@@ -181,6 +181,8 @@ class _Flight:
     """Steps that could not start (an averager that did not take its step in time)."""
     waited_for: list[str] = field(default_factory=list)
     """Peers whose records made the round wait for them (see `progress.no_shows`)."""
+    shared_landed: tuple[GroupResult, dict[str, torch.Tensor] | None] | None = None
+    """Overlapping the shards only: the shared parameters' result, applied already (`land_shared`)."""
 
     def handles(self) -> list:
         return [self.shared, *self.shards.values()]
@@ -395,9 +397,10 @@ class SpesRound:
 
     # ------------------------------------------------------------------ the round
 
-    def begin_round(self, inputs: RoundInputs, overlap: bool) -> None:
+    def begin_round(self, inputs: RoundInputs, overlap: bool, overlap_shards: bool = False) -> None:
         """Start the all-reduces on a copy of the weights. With `overlap`, training goes on meanwhile and
-        `complete_round` later applies the average together with the local progress made since."""
+        `complete_round` later applies the average together with the local progress made since; with
+        `overlap_shards`, the same for the shards' groups only, once `land_shared` has applied the shared one."""
         self.finish_pending()
         gather = (inputs.round, inputs.step, inputs.tokens_since_sync)
         # steps past H (trained while waiting for slower peers) weigh nothing more: every reducer counts a weight
@@ -442,7 +445,8 @@ class SpesRound:
             shards=shard_handles,
             sent_shared=_to_host(shared_local) if overlap else None,
             sent_shards={
-                shard: _to_host(local) if overlap else None for shard, local in shards_local.items()
+                shard: _to_host(local) if overlap or overlap_shards else None
+                for shard, local in shards_local.items()
             },
             errors=errors,
             waited_for=sorted(self._waited_ahead | {peer for peer, eta in etas.items() if eta > 0}),
@@ -525,6 +529,18 @@ class SpesRound:
             raise box["error"]
         return box["handle"]
 
+    def land_shared(self) -> None:
+        """Overlapping the shards only: wait for the shared parameters' all-reduce and apply its result now, before
+        training goes on (`complete_round` reports it with the rest of the round)."""
+        flight = self._inflight
+        result, averaged = self._finish(self.shared_avg, flight.shared)
+        local = shared_parameters(self.model)
+        if self.updates:
+            apply_update(self.shared_outer, local, None, self.anchor("shared"), averaged)
+        else:
+            apply_outer(self.shared_outer, local, None, averaged)
+        flight.shared_landed = (result, averaged)
+
     def round_in_flight(self) -> bool:
         return self._inflight is not None
 
@@ -538,7 +554,8 @@ class SpesRound:
         the data part; returns what changed."""
         flight, self._inflight = self._inflight, None
         inputs = flight.inputs
-        shared_result, shared_avg = self._finish(self.shared_avg, flight.shared)
+        landed = flight.shared_landed
+        shared_result, shared_avg = landed if landed else self._finish(self.shared_avg, flight.shared)
         groups = [
             (
                 "shared",
@@ -574,7 +591,8 @@ class SpesRound:
             data_part=inputs.data_part,
             shared_group=shared_result.group_size,
             shard_groups={shard: r.group_size for shard, r in shard_results.items()},
-            overlapped=flight.sent_shared is not None,
+            overlapped=flight.sent_shared is not None
+            or any(s is not None for s in flight.sent_shards.values()),
             steps=inputs.steps,
             steps_while_waiting=max(inputs.steps - self.cfg.swarm.sync_steps, 0),
         )
@@ -587,12 +605,14 @@ class SpesRound:
         resyncs = []
         for kind, key, result, averaged, local, sent, outer in groups:
             report.add_bytes(kind, result.bytes_sent, result.bytes_received)
+            applied = key == "shared" and landed is not None  # by `land_shared`, before training went on
             if self.updates:
-                apply_update(outer, local, sent, self.anchor(key), averaged)
+                if not applied:
+                    apply_update(outer, local, sent, self.anchor(key), averaged)
                 resync = self._settle_anchor(key, result, averaged is not None, report.round)
                 if resync is not None:
                     resyncs.append((key, *resync, update_norm(averaged)))
-            else:
+            elif not applied:
                 apply_outer(outer, local, sent, averaged)
             self.fetcher.vouch(result.peers)
             report.failed_parts += result.failed_reducers
