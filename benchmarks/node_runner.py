@@ -79,23 +79,29 @@ def _wrap_train_step(original):
 
 
 def _wrap_node_begin_round(original):
-    def _begin_round(self: Node, overlap: bool) -> None:
+    def _begin_round(self: Node, *args, **kwargs) -> None:
         # what the round does first: the previous round's refresh belongs to that round
         self.sync.finish_pending()
         self.status.add_bytes("refresh", 0, self.sync.take_refresh_bytes())
         TIMELINE["counters"].append(_counters(self))
-        original(self, overlap)
+        original(self, *args, **kwargs)
 
     return _begin_round
 
 
 def _wrap_begin_round(original):
-    def begin_round(self: SpesRound, inputs: RoundInputs, overlap: bool) -> None:
+    def begin_round(self: SpesRound, inputs: RoundInputs, overlap: bool, **kwargs) -> None:
         called = time.time()
         self.finish_pending()
-        TIMELINE["rounds"].append({"called": called, "start": time.time(), "overlap": overlap})
+        TIMELINE["rounds"].append(
+            {
+                "called": called,
+                "start": time.time(),
+                "overlap": overlap or kwargs.get("overlap_shards", False),
+            }
+        )
         if not TIMELINE["no_sync"]:
-            original(self, inputs, overlap)
+            original(self, inputs, overlap, **kwargs)
             return
         self._inflight = SimpleNamespace(inputs=inputs, handles=list)  # ready at once, nothing to average
 
