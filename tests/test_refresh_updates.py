@@ -142,7 +142,9 @@ def test_with_refresh_every_two_rounds_the_chain_steps_on_refresh_rounds_by_the_
     }
 
 
-def test_an_update_is_encoded_after_publish_returns_and_not_served_if_its_chain_ended_meanwhile(monkeypatch):
+@pytest.fixture
+def held_encoder(monkeypatch):
+    """(started, release): the publisher's update encoding sets `started`, then waits for `release`."""
     import spes_node.swarm.snapshots as snapshots
 
     started, release = threading.Event(), threading.Event()
@@ -154,6 +156,12 @@ def test_an_update_is_encoded_after_publish_returns_and_not_served_if_its_chain_
         return encode(*args)
 
     monkeypatch.setattr(snapshots, "encode_update", held_encode)
+    yield started, release
+    release.set()
+
+
+def test_an_update_is_encoded_after_publish_returns_and_not_served_if_its_chain_ended_meanwhile(held_encoder):
+    started, release = held_encoder
     weights = _trajectory(4)
     publisher, server, loop = _publisher(every=1)
     try:
@@ -179,18 +187,8 @@ def test_an_update_is_encoded_after_publish_returns_and_not_served_if_its_chain_
         loop.stop()
 
 
-def test_a_publisher_shut_down_with_an_update_being_encoded_neither_waits_for_it_nor_hangs(monkeypatch):
-    import spes_node.swarm.snapshots as snapshots
-
-    started, release = threading.Event(), threading.Event()
-    encode = snapshots.encode_update
-
-    def held_encode(*args):
-        started.set()
-        assert release.wait(60)
-        return encode(*args)
-
-    monkeypatch.setattr(snapshots, "encode_update", held_encode)
+def test_a_publisher_shut_down_with_an_update_being_encoded_neither_waits_for_it_nor_hangs(held_encoder):
+    started, release = held_encoder
     weights = _trajectory(3)
     publisher, server, loop = _publisher(every=1)
     publisher.publish(1, {}, {0: weights[1]}, {})
