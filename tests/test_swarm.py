@@ -118,16 +118,8 @@ def test_rounds_begin_once_every_live_holder_is_in_not_at_the_end_of_the_window(
     # as soon as it has joined
     window = 600.0
     swarm = swarm_factory(num_shards=1, matchmaking_time=window)
-    names = ("a", "b")
-    for name in names:
-        swarm.start(name, "--max-rounds", "3", "--wait-peers", "2")
-    for name in names:
-        assert swarm.wait_exit(name, 300) == 0, swarm.log(name)[-3000:]
-    for name in names:
-        rounds = swarm.summary(name)["rounds"]
-        assert len(rounds) == 3, rounds
+    for rounds in _two_holders_three_rounds(swarm, ("a", "b")).values():
         for report in rounds:
-            assert report["shared_group"] == 2 and report["shard_groups"] == {"0": 2}, report
             assert report["seconds"] < window and not report["errors"], report
             # where the round's time went: every phase timed, together the round
             phases = report["phases"]
@@ -240,15 +232,8 @@ def test_a_joiner_tries_its_bootstrap_peer_again_until_it_answers(swarm_factory,
 def test_overlapping_the_shards_only_lands_the_shared_average_at_once_and_the_shards_later(swarm_factory):
     swarm = swarm_factory(num_shards=1, overlap_shards=True)
     names = ("a", "b")
-    for name in names:
-        swarm.start(name, "--max-rounds", "3", "--wait-peers", "2")
-    for name in names:
-        assert swarm.wait_exit(name, 300) == 0, swarm.log(name)[-3000:]
-    for name in names:
-        rounds = swarm.summary(name)["rounds"]
-        assert len(rounds) == 3, rounds
+    for name, rounds in _two_holders_three_rounds(swarm, names).items():
         for report in rounds:
-            assert report["shared_group"] == 2 and report["shard_groups"] == {"0": 2}, report
             # on a loaded machine an all-reduce now and then loses parts in hivemind's transport ("sent 10 parts,
             # but we expected 11"), in any mode; nothing else may go wrong
             assert all("parts not averaged" in error for error in report["errors"]), report
@@ -260,3 +245,18 @@ def test_overlapping_the_shards_only_lands_the_shared_average_at_once_and_the_sh
         a, b = (swarm.checkpoint(name).tensors for name in names)
         _assert_close(_shared_tensors(a), _shared_tensors(b), "shared parameters of a vs b")
         _assert_close(_shard_tensors(a, 0), _shard_tensors(b, 0), "shard 0 at its replicas")
+
+
+def _two_holders_three_rounds(swarm, names) -> dict[str, list[dict]]:
+    """Start `names` (holders of the swarm's one shard) for 3 rounds; each node's round reports, once every node
+    exited cleanly after 3 rounds in groups of both nodes."""
+    for name in names:
+        swarm.start(name, "--max-rounds", "3", "--wait-peers", "2")
+    for name in names:
+        assert swarm.wait_exit(name, 300) == 0, swarm.log(name)[-3000:]
+    reports = {name: swarm.summary(name)["rounds"] for name in names}
+    for rounds in reports.values():
+        assert len(rounds) == 3, rounds
+        for report in rounds:
+            assert report["shared_group"] == 2 and report["shard_groups"] == {"0": 2}, report
+    return reports
