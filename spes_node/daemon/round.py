@@ -534,12 +534,15 @@ class SpesRound:
         training goes on (`complete_round` reports it with the rest of the round)."""
         flight = self._inflight
         result, averaged = self._finish(self.shared_avg, flight.shared)
-        local = shared_parameters(self.model)
-        if self.updates:
-            apply_update(self.shared_outer, local, None, self.anchor("shared"), averaged)
-        else:
-            apply_outer(self.shared_outer, local, None, averaged)
+        self._apply("shared", self.shared_outer, shared_parameters(self.model), None, averaged)
         flight.shared_landed = (result, averaged)
+
+    def _apply(self, key: str, outer, local: dict, sent: dict | None, averaged: dict | None) -> None:
+        """A group's result into `local` (see `anchors.apply_update` and `anchors.apply_outer`)."""
+        if self.updates:
+            apply_update(outer, local, sent, self.anchor(key), averaged)
+        else:
+            apply_outer(outer, local, sent, averaged)
 
     def round_in_flight(self) -> bool:
         return self._inflight is not None
@@ -605,15 +608,12 @@ class SpesRound:
         resyncs = []
         for kind, key, result, averaged, local, sent, outer in groups:
             report.add_bytes(kind, result.bytes_sent, result.bytes_received)
-            applied = key == "shared" and landed is not None  # by `land_shared`, before training went on
+            if not (key == "shared" and landed is not None):  # else applied by `land_shared` already
+                self._apply(key, outer, local, sent, averaged)
             if self.updates:
-                if not applied:
-                    apply_update(outer, local, sent, self.anchor(key), averaged)
                 resync = self._settle_anchor(key, result, averaged is not None, report.round)
                 if resync is not None:
                     resyncs.append((key, *resync, update_norm(averaged)))
-            elif not applied:
-                apply_outer(outer, local, sent, averaged)
             self.fetcher.vouch(result.peers)
             report.failed_parts += result.failed_reducers
             if result.error:
