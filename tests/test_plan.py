@@ -275,6 +275,13 @@ def test_the_network_plan_counts_each_kind_from_the_parameter_counts():
     assert both.refresh_received == 0 and both.replicas == 4
     # a round's bytes on a 100 Mbit/s link: half of them each way, both directions at once
     assert t.seconds(t.total, 100) == pytest.approx(t.total / 2 * 8 / 100e6)
+    # what training waits for: every all-reduce, the shared parameters' alone when the shards' overlap, or none
+    waiting = round_traffic(cfg.replace(swarm={"overlap": False, "overlap_shards": False}))
+    shards_beside = round_traffic(cfg.replace(swarm={"overlap": False, "overlap_shards": True}))
+    all_beside = round_traffic(cfg.replace(swarm={"overlap": True, "overlap_shards": True}))
+    assert waiting.stalling == pytest.approx(t.shared + t.shard)
+    assert shards_beside.stalling == pytest.approx(t.shared) and shards_beside.allreduce == waiting.allreduce
+    assert all_beside.stalling == 0
 
 
 def test_cli_prints_the_network_plan():
@@ -282,10 +289,12 @@ def test_cli_prints_the_network_plan():
     assert result.exit_code == 0, result.stderr
     assert "network per round (100 steps): 16 nodes, 4 holders a shard" in result.stdout
     assert "on a 50 Mbit/s link each way" in result.stdout
-    data = json.loads(_cli("--preset", "spes-7b", "--nodes", "16", "--link-mbit", "50", "--json").stdout)
     expected = round_traffic(load_preset("spes-7b"), 16)
+    assert f"training waits {expected.seconds(expected.stalling, 50):.0f} s of it" in result.stdout
+    data = json.loads(_cli("--preset", "spes-7b", "--nodes", "16", "--link-mbit", "50", "--json").stdout)
     assert data["network"]["total"] == pytest.approx(expected.total)
     assert data["network"]["allreduce_seconds"] == pytest.approx(expected.seconds(expected.allreduce, 50))
+    assert data["network"]["stall_seconds"] == pytest.approx(expected.seconds(expected.stalling, 50))
 
 
 # ---------------------------------------------------------------- measured on a CPU

@@ -45,6 +45,7 @@ def plan(preset, config, device_memory, shards, nodes, link_mbit, as_json) -> No
     if as_json:
         network = {**traffic.to_dict(), "link_mbit": link_mbit}
         network["allreduce_seconds"] = traffic.seconds(traffic.allreduce, link_mbit)
+        network["stall_seconds"] = traffic.seconds(traffic.stalling, link_mbit)
         network["refresh_seconds"] = traffic.seconds(
             traffic.refresh_received + traffic.refresh_served, link_mbit
         )

@@ -40,6 +40,9 @@ class RoundTraffic:
     refresh_by_updates: bool
     sync_steps: int
     wire_compression: str
+    overlap: str
+    """Which all-reduces run beside the next round's steps: 'none', 'shards' (`swarm.overlap_shards`) or 'all'
+    (`swarm.overlap`)."""
     shared: float
     """The shared parameters' all-reduce."""
     shard: float
@@ -59,8 +62,14 @@ class RoundTraffic:
 
     @property
     def allreduce(self) -> float:
-        """The all-reduces' share: what a round waits on (unless `swarm.overlap`); the refresh runs beside training."""
+        """The all-reduces' share; the refresh runs beside training."""
         return self.shared + self.shard
+
+    @property
+    def stalling(self) -> float:
+        """The all-reduces' bytes that training waits for: the shared parameters' alone when the shards' run beside
+        the next steps, none when every group does."""
+        return {"none": self.allreduce, "shards": self.shared, "all": 0.0}[self.overlap]
 
     @staticmethod
     def seconds(nbytes: float, rate_mbit: float) -> float:
@@ -103,6 +112,7 @@ def round_traffic(cfg: SpesConfig, nodes: int | None = None, shards_held: int = 
         refresh_by_updates=s.refresh_by_updates,
         sync_steps=s.sync_steps,
         wire_compression=s.wire_compression,
+        overlap="all" if s.overlap else "shards" if s.overlap_shards else "none",
         shared=allreduce_bytes(counts["shared"], nodes, wire),
         shard=shards_held * allreduce_bytes(counts["shard"], replicas, wire),
         refresh_received=refresh,
@@ -141,12 +151,16 @@ def traffic_table(t: RoundTraffic, rate_mbit: float) -> str:
         f"a central server: {t.server / gb:.3f} GB per node (SPES moves {t.total / t.server:.2f} of it), "
         "all of it through the server"
     )
+    beside = {
+        "none": "none of it beside the steps",
+        "shards": "the shards' beside the next steps (swarm.overlap_shards)",
+        "all": "all of it beside the next steps (swarm.overlap)",
+    }[t.overlap]
     lines.append(
         f"on a {rate_mbit:g} Mbit/s link each way: the all-reduces take {t.seconds(t.allreduce, rate_mbit):.0f} s "
-        "of each round"
+        f"of each round, training waits {t.seconds(t.stalling, rate_mbit):.0f} s of it ({beside});"
     )
     lines.append(
-        "(training waits on them unless swarm.overlap), the refresh "
-        f"{t.seconds(t.refresh_received + t.refresh_served, rate_mbit):.0f} s (beside the next steps)"
+        f"the refresh {t.seconds(t.refresh_received + t.refresh_served, rate_mbit):.0f} s (beside the next steps)"
     )
     return "\n".join(lines)
