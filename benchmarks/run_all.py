@@ -117,6 +117,8 @@ def gather(results: dict[str, dict], errors: dict[str, str], seconds: float, loa
             for rate, r in results.get("link_utilisation", {}).get("by_rate", {}).items()
         },
         "throughput_ratio_overlap": get("throughput", "throughput_ratio_overlap"),
+        "throughput_ratio_overlap_shards": get("throughput", "throughput_ratio_overlap_shards"),
+        "throughput_headline_variant": get("throughput", "headline_variant"),
         "throughput_ratio_as_published": get("throughput", "throughput_ratio_as_published"),
         "throughput_raw_tokens_per_s_ratio": get("throughput", "raw_tokens_per_s_ratio"),
         "val_loss_ratio_std": get("quality", "val_loss_ratio_std"),

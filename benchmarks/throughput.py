@@ -12,8 +12,9 @@ this is the node's tokens/s divided by what the same loop would do at that load 
 background all-reduce also slows the steps on a CPU (it competes for the same cores, as it would not with a GPU);
 that slowdown is not in the share-of-time ratio, and the mean step time of each run is reported beside it.
 
-The headline is the run with the preset's own `swarm.overlap` (as published when it is off); both are reported,
-"as published" and "overlap". `--variants` can add `sync_int8` and `overlap_int8`: the same with int8
+The headline is the run with the preset's own round options: `overlap_shards` by default (the shards' all-reduces
+run beside the next steps, `swarm.overlap_shards`), `overlap` with `swarm.overlap`, the sync as published with
+neither; "as published" and "overlap" are reported beside it. `--variants` can add `sync_int8` and `overlap_int8`: the same with int8
 pseudo-gradients on the wire (`swarm.average = "updates"`, `swarm.wire_compression = "int8"`), half the fp16
 weights' bytes per all-reduce, and `sync_idle`: the sync as published before nodes trained while waiting for
 slower peers (`swarm.train_while_waiting = false`: a node that reaches the sync first idles in matchmaking).
@@ -45,7 +46,7 @@ SETTINGS = {
     "num_nodes": 4,
     "num_shards": 2,
     "rounds": 2,
-    "variants": ["sync", "no_sync", "overlap"],
+    "variants": ["sync", "no_sync", "overlap", "overlap_shards"],
     "timeout_s": 1200,
     "rate_mbit": None,
     "slow_node_delay_s": 1.0,
@@ -154,7 +155,9 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
     share = variants["no_sync"]["compute_share"]
     base = variants["no_sync"]["tokens_per_s_per_node"]
     whole_base = variants["no_sync"]["whole_run_tokens_per_s_per_node"]
-    default = "overlap" if load_preset(settings["preset"]).swarm.overlap else "sync"
+    preset = load_preset(settings["preset"]).swarm
+    default = "overlap" if preset.overlap else "overlap_shards" if preset.overlap_shards else "sync"
+    default = default if default in variants else "sync"  # the preset's own not run: the sync as published
     other_ratios = {
         f"throughput_ratio_{name}": variants[name]["compute_share"] / share
         for name in variants

@@ -136,6 +136,10 @@ def test_spes_7b_fits_a_48gb_card():
     assert small.fits is False and small.advice and "does not fit even with" in small.advice[0]
 
 
+WAITING = {"overlap": False, "overlap_shards": False}
+"""Training waits for every all-reduce of a round, as published."""
+
+
 @pytest.mark.parametrize(
     "swarm",
     [
@@ -148,7 +152,7 @@ def test_spes_7b_fits_a_48gb_card():
 def test_spes_7b_fits_a_48gb_card_with_any_round_options(swarm):
     """Anchors, Nesterov state and the overlap's copies are in host memory: they cost the host, not the card."""
     cfg = load_preset("spes-7b")
-    published = memory_plan(cfg, 1, 48 * GIB)
+    published = memory_plan(cfg.replace(swarm=WAITING), 1, 48 * GIB)
     plan = memory_plan(cfg.replace(swarm=swarm), 1, 48 * GIB)
     assert plan.fits, plan_table(plan)
     assert plan.outer >= 4 * plan.trainable_params
@@ -160,9 +164,10 @@ def test_spes_7b_fits_a_48gb_card_with_any_round_options(swarm):
 def test_overlapping_the_shards_only_costs_the_host_a_copy_of_the_own_shards():
     cfg = load_preset("spes-7b")
     counts = param_counts(cfg.model, cfg.swarm.num_shards)
-    published = memory_plan(cfg, 2, 80 * GIB)
-    shards_only = memory_plan(cfg.replace(swarm={"overlap_shards": True}), 2, 80 * GIB)
+    published = memory_plan(cfg.replace(swarm=WAITING), 2, 80 * GIB)
+    shards_only = memory_plan(cfg.replace(swarm={"overlap": False, "overlap_shards": True}), 2, 80 * GIB)
     everything = memory_plan(cfg.replace(swarm={"overlap": True}), 2, 80 * GIB)
+    assert load_preset("spes-7b").swarm.overlap_shards, "on by default"
     assert shards_only.outer - published.outer == 4 * 2 * counts["shard"]
     assert everything.outer - published.outer == 4 * (counts["shared"] + 2 * counts["shard"])
     assert shards_only.gpu_total == published.gpu_total
