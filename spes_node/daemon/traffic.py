@@ -152,13 +152,13 @@ def traffic_table(t: RoundTraffic, rate_mbit: float) -> str:
         "all of it through the server"
     )
     beside = {
-        "none": "none of it beside the steps",
-        "shards": "the shards' beside the next steps (swarm.overlap_shards)",
-        "all": "all of it beside the next steps (swarm.overlap)",
+        "none": "",
+        "shards": "; the shards' run beside the next steps (swarm.overlap_shards)",
+        "all": "; they run beside the next steps (swarm.overlap)",
     }[t.overlap]
     lines.append(
         f"on a {rate_mbit:g} Mbit/s link each way: the all-reduces take {t.seconds(t.allreduce, rate_mbit):.0f} s "
-        f"of each round, training waits {t.seconds(t.stalling, rate_mbit):.0f} s of it ({beside});"
+        f"of each round, training waits {t.seconds(t.stalling, rate_mbit):.0f} s of it{beside};"
     )
     lines.append(
         f"the refresh {t.seconds(t.refresh_received + t.refresh_served, rate_mbit):.0f} s (beside the next steps)"
