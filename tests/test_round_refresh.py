@@ -184,3 +184,39 @@ def test_a_step_that_an_averager_never_takes_is_given_up_and_reported():
     finally:
         hung.set()
         spes_round.loop.stop()
+
+
+def test_an_overlapped_round_copies_only_the_groups_that_need_their_sent_weights():
+    """overlap_shards keeps a host copy of each own shard while its all-reduce runs, to land the result with the
+    progress made since. A shard with no other holder is not averaged: with the plain average of weights its copy
+    would never be read, while update averaging and a Nesterov step anchor on it."""
+    import torch
+
+    from spes_node.daemon.round import RoundInputs
+    from spes_node.model.moe import MoEForCausalLM
+    from spes_node.model.ownership import apply_ownership, shard_tensors
+    from spes_node.swarm import records
+
+    for swarm, copied in (
+        ({}, False),
+        ({"average": "updates"}, True),
+        ({"outer_optimizer": "nesterov"}, True),
+    ):
+        cfg = load_preset("tiny").replace(swarm={"num_shards": 1, **swarm})
+        model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+        apply_ownership(model, [0])
+        spes_round = _round(cfg, threading.Event(), model)
+        try:
+            spes_round.reset_outer()
+            me = records.NodeInfo(peer_id="me", shards=[0], round=4, state="training")
+            with torch.no_grad():
+                spes_round.begin_round(RoundInputs(4, 40, 100, 3.0, {"me": me}, me, (0, 1)), False, True)
+            flight = spes_round._inflight
+            assert flight.shards == {0: None}, "nobody else holds shard 0: no all-reduce"
+            sent = flight.sent_shards[0]
+            assert (sent is not None) == copied, swarm
+            if copied:
+                local = shard_tensors(model, 0)
+                assert all(torch.equal(sent[k], local[k]) for k in local), swarm
+        finally:
+            spes_round.loop.stop()

@@ -438,20 +438,31 @@ class SpesRound:
             shard_handles[shard] = (
                 step(self.shard_avgs[shard], f"shard{shard}", local, replicas) if replicas else None
             )
+        shared_handle = step(self.shared_avg, "shared", shared_local, list(others)) if others else None
         self._inflight = _Flight(
             inputs=inputs,
             started=time.perf_counter(),
-            shared=step(self.shared_avg, "shared", shared_local, list(others)) if others else None,
+            shared=shared_handle,
             shards=shard_handles,
-            sent_shared=_to_host(shared_local) if overlap else None,
+            sent_shared=_to_host(shared_local)
+            if overlap and self._keeps_sent("shared", shared_handle)
+            else None,
             sent_shards={
-                shard: _to_host(local) if overlap or overlap_shards else None
+                shard: _to_host(local)
+                if (overlap or overlap_shards) and self._keeps_sent(f"shard{shard}", shard_handles[shard])
+                else None
                 for shard, local in shards_local.items()
             },
             errors=errors,
             waited_for=sorted(self._waited_ahead | {peer for peer, eta in etas.items() if eta > 0}),
         )
         self._waited_ahead = set()
+
+    def _keeps_sent(self, key: str, handle) -> bool:
+        """Whether an overlapped group keeps a host copy of the weights it hands over: to land its result with the
+        local progress made since, or, with no group to average with, as the anchor that update averaging and a
+        Nesterov step take (`apply_update`, `apply_outer`). A lone holder averaging weights plainly needs none."""
+        return handle is not None or self.updates or isinstance(self._outer_of(key), NesterovOuter)
 
     def training_started(self) -> None:
         """The node's first step is about to run: its first round is timed from here (see `wait_cap`)."""
