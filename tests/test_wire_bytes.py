@@ -96,9 +96,10 @@ def measured(compression: str, average: str) -> list[tuple[int, int]]:
 
     Measured inside the test worker, this test lost a member in both of its tries in one CI run: a DHT process forked
     from the worker late in the suite found its control pipe's descriptor closed under it (EBADF on every read),
-    and libuv in one of the processes reported its io_uring descriptor closed the same way. Something inherited from
-    the worker closed a descriptor number the child had reused; what it was is not found (a whole suite under
-    strace showed no failed close). A fresh interpreter inherits nothing of the kind."""
+    and libuv in one of the processes reported its io_uring descriptor closed the same way. Something closed a
+    descriptor the child owned. That it came from state inherited from the worker is an inference (both tries
+    failed alike); what it was is not found (a whole suite under strace showed one failed close, no more). A fresh
+    interpreter inherits nothing from the worker."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(
         [sys.executable, __file__, compression, average],
