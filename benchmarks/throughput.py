@@ -15,9 +15,10 @@ that slowdown is not in the share-of-time ratio, and the mean step time of each 
 The headline is the run with the preset's own round options: `overlap_shards` by default (the shards' all-reduces
 run beside the next steps, `swarm.overlap_shards`), `overlap` with `swarm.overlap`, the sync as published with
 neither; "as published" and "overlap" are reported beside it. `--variants` can add `sync_int8` and
-`overlap_int8`: the same with int8 pseudo-gradients on the wire (`swarm.average = "updates"`, `swarm.wire_compression = "int8"`), half the fp16
-weights' bytes per all-reduce, and `sync_idle`: the sync as published before nodes trained while waiting for
-slower peers (`swarm.train_while_waiting = false`: a node that reaches the sync first idles in matchmaking).
+`overlap_int8`: the same with int8 pseudo-gradients on the wire (`swarm.average = "updates"`,
+`swarm.wire_compression = "int8"`), half the fp16 weights' bytes per all-reduce, and `sync_idle`: the sync as
+published before nodes trained while waiting for slower peers (`swarm.train_while_waiting = false`: a node that
+reaches the sync first idles in matchmaking).
 `uneven` and `uneven_idle` are `sync` and `sync_idle` on unequal cards: node 0's steps take `slow_node_delay_s`
 longer (counted as step time, as on a slower card), so that the others reach each sync first.
 

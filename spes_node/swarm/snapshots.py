@@ -125,10 +125,9 @@ class SnapshotPublisher:
     def _advance_chain(self, shard: int, round_: int, served: dict[str, torch.Tensor], restart: bool) -> None:
         """On a refresh round (a multiple of `every`), encode this round's "update:<j>" (served once ready, see
         `_encode`) when the chain is at the refresh before, or start the chain again from `served` (serving no
-        update) when it is not. Between
-        refresh rounds, and when a round is published again unchanged, the chain and its served update stay.
-        `restart` (the weights changed within a published round) ends the chain: it starts again at the next
-        refresh round, so that its rounds stay those followers refresh on."""
+        update) when it is not. Between refresh rounds, and when a round is published again unchanged, the chain
+        and its served update stay. `restart` (the weights changed within a published round) ends the chain: it
+        starts again at the next refresh round, so that its rounds stay those followers refresh on."""
         chain = None if restart else self._chains.get(shard)
         refresh_round = round_ % self.every == 0
         if chain is not None and chain[0] == round_:
