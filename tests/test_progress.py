@@ -12,6 +12,7 @@ from spes_node.swarm.progress import (
     peer_etas,
     rank_holders,
     should_catch_up,
+    still_in_round,
     wait_for_peers,
 )
 
@@ -186,3 +187,19 @@ def test_a_peer_waited_for_in_vain_is_not_waited_for_again_until_it_is_seen():
     assert excused_peers(counts) == {"liar"}
     counts = no_shows(counts, waited_for=[], joined={"me", "liar"})
     assert counts == {} and not excused_peers(counts)
+
+
+def test_a_node_leaving_after_its_round_waits_only_for_members_that_have_not_ended_it():
+    nodes = {
+        "behind": Rec(round=2),
+        "ended": Rec(round=3),
+        "ahead": Rec(round=4),
+        "leaving": Rec(round=2, state="leaving"),
+        "stranger": Rec(round=0),
+    }
+    members = ["behind", "ended", "ahead", "leaving", "gone"]
+    # a member with no record ("gone") or leaving has ended the round or will not take part any more; a node that
+    # was not in the round's groups ("stranger") is never waited for, however far behind
+    assert still_in_round(nodes, members, 3) == {"behind"}
+    assert still_in_round(nodes, members, 2) == set()
+    assert still_in_round(nodes, [], 3) == set()

@@ -35,6 +35,7 @@ from spes_node.swarm.records import (
     publish_config,
     publish_node,
     record_validators,
+    wait_for_nodes,
     withdraw_node,
 )
 
@@ -167,6 +168,46 @@ def test_a_heartbeat_under_another_peers_id_is_ignored(peers, run_id):
     for reader in (a, b):
         nodes = fetch_nodes(reader.dht, run_id)
         assert list(nodes) == [a.peer_id] and nodes[a.peer_id].step == 1
+
+
+@pytest.mark.swarm
+def test_a_wait_on_records_ends_once_the_awaited_peers_records_say_so(peers, run_id):
+    a, b, c = peers
+    assert publish_node(b.dht, run_id, _info(b.peer_id, round=2), b.validator, EXPIRATION_S)
+    assert publish_node(c.dht, run_id, _info(c.peer_id, round=2), c.validator, EXPIRATION_S)
+    behind_seen = threading.Event()
+
+    def pending(nodes):
+        # what a node leaving after round 3 waits for: its members' records at round 3, or gone
+        waiting = {peer for peer in (b.peer_id, c.peer_id) if peer in nodes and nodes[peer].round < 3}
+        if waiting == {b.peer_id, c.peer_id}:
+            behind_seen.set()
+        return waiting
+
+    result = []
+    waiter = threading.Thread(
+        target=lambda: result.append(wait_for_nodes(a.dht, run_id, pending, timeout=600, poll_s=0.1))
+    )
+    waiter.start()
+    try:
+        assert behind_seen.wait(60), "the wait never read both members behind"
+        assert waiter.is_alive()
+        # one member ends the round, the other leaves: the wait ends with nothing pending
+        assert publish_node(b.dht, run_id, _info(b.peer_id, round=3), b.validator, EXPIRATION_S)
+        assert withdraw_node(c.dht, run_id, c.peer_id, c.validator)
+        waiter.join(60)
+        assert not waiter.is_alive() and result == [set()]
+    finally:
+        waiter.join(60)
+
+    # a member that never ends the round holds the wait for its timeout only, and is returned as still pending
+    assert publish_node(b.dht, run_id, _info(b.peer_id, round=4), b.validator, EXPIRATION_S)
+    stuck = lambda nodes: {peer for peer in nodes if nodes[peer].round < 5}  # noqa: E731
+    assert wait_for_nodes(a.dht, run_id, stuck, timeout=0.5, poll_s=0.1) == {b.peer_id}
+    # a stop ends it at once; with no read made, it knows of nobody pending or not
+    stop = threading.Event()
+    stop.set()
+    assert wait_for_nodes(a.dht, run_id, stuck, timeout=600, stop=stop) is None
 
 
 def test_owner_key_gives_the_libp2p_peer_id(tmp_path):

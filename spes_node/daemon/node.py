@@ -54,7 +54,7 @@ from spes_node.model.tokenizer import load_tokenizer
 from spes_node.procs import NodeDHT, kill_tree
 from spes_node.swarm import reachability, records, relay
 from spes_node.swarm.identity import load_or_create_identity
-from spes_node.swarm.progress import ROUND_SLACK, consensus_round, should_catch_up
+from spes_node.swarm.progress import ROUND_SLACK, consensus_round, should_catch_up, still_in_round
 from spes_node.swarm.swarm_key import SwarmKey
 
 logger = logging.getLogger(__name__)
@@ -144,6 +144,7 @@ class Node:
         self.tokens_since_sync = 0
         self.round_losses: list[float] = []
         self._heartbeat: threading.Thread | None = None
+        self._last_round_members: list[str] = []
         self.dht: hivemind.DHT | None = None
         self.sync: SpesRound | None = None
         self._net_loop: LoopThread | None = None
@@ -881,6 +882,44 @@ class Node:
             # frozen experts changed: the final checkpoint is not a duplicate of the last one
             self.checkpoint_writer.key = None
         self.status.add_bytes("refresh", 0, self.sync.take_refresh_bytes())
+        if self.opts.max_rounds is not None and self.rounds_done >= self.opts.max_rounds:
+            self.await_round_members()
+
+    def await_round_members(self) -> None:
+        """Leaving after the last round of a `--max-rounds` run: announce it, then wait (at most the averaging
+        timeout) until the other members of that round's groups have ended it too (`progress.still_in_round`).
+
+        Our own results can be complete while our last averaged parts are still on their way to a member (in
+        p2pd's buffers, behind a slow reader); stopping the networking then would cut them off, and that member's
+        round would lose a part. Both sides announce before they wait, so two nodes leaving together free each
+        other."""
+        members = self._last_round_members
+        if not members or self.stop_event.is_set():
+            return
+        self.status.state = "leaving"
+        self.publish_record()
+        round_ = self.status.round
+        behind = records.wait_for_nodes(
+            self.dht,
+            self.opts.run_id,
+            lambda nodes: still_in_round(nodes, members, round_),
+            timeout=self.cfg.swarm.averaging_timeout,
+            num_shards=self.cfg.swarm.num_shards,
+            stop=self.stop_event,
+        )
+        if self.stop_event.is_set():
+            return
+        if behind is None:
+            logger.warning(
+                f"leaving without knowing whether round {round_}'s members have ended it: no record read"
+            )
+        elif behind:
+            logger.warning(
+                f"leaving while {len(behind)} member(s) of round {round_} have not ended it: "
+                + ", ".join(sorted(peer[:12] for peer in behind))
+            )
+        else:
+            logger.info(f"round {round_}'s members have ended it: leaving")
 
     def _train_while_waiting(self) -> bool:
         """At the sync: whether to train on, instead of idling while the peers of our groups finish their steps.
@@ -930,6 +969,7 @@ class Node:
     def _complete_round(self) -> None:
         report = self.sync.complete_round()
         self._apply_round(report)
+        self._last_round_members = list(report.members)
         self.metrics.update(self.status, self.sync.last_report, step=self.trainer.step)
         self.round_reports.append(self.sync.last_report)
         self.rounds_done += 1

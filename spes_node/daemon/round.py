@@ -135,6 +135,8 @@ class RoundReport:
     """Where the round's `seconds` went: "matchmaking" (finding groups, waiting for their members), "allreduce"
     (the longest of its all-reduces) and "after" (applying the averages, then catching up, refreshing, merging and
     publishing). With `overlapped`, the first two also hold the local steps trained meanwhile."""
+    members: list[str] = field(default_factory=list)
+    """The other peers of the round's groups (a node leaving after this round waits until they have ended it)."""
 
     def add_bytes(self, kind: str, sent: int, received: int) -> None:
         self.bytes_sent[kind] = self.bytes_sent.get(kind, 0) + sent
@@ -164,6 +166,7 @@ class RoundReport:
             "steps": self.steps,
             "steps_while_waiting": self.steps_while_waiting,
             "phases": dict(self.phases),
+            "members": list(self.members),
         }
 
 
@@ -615,6 +618,7 @@ class SpesRound:
         allreduce = max((group[2].allreduce_seconds for group in groups), default=0.0)
         report.phases = {"matchmaking": max(averaged_in - allreduce, 0.0), "allreduce": allreduce}
         joined = set(shared_result.peers).union(*(r.peers for r in shard_results.values()))
+        report.members = sorted(joined - {self.peer_id})
         self._no_shows = no_shows(self._no_shows, flight.waited_for, joined)
         resyncs = []
         for kind, key, result, averaged, local, sent, outer in groups:

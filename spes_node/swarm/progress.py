@@ -193,6 +193,20 @@ def no_shows(
     return counts
 
 
+def still_in_round(nodes: Mapping[str, Holder], members: Iterable[str], round_: int) -> set[str]:
+    """Of the other members of a node's last round, those whose records say they have not ended it (their round is
+    below `round_`). A member with no record, or leaving, has ended it or is gone.
+
+    A node that leaves after its last round waits for them (`Node.await_round_members`): the last messages of an
+    all-reduce can still be on their way to a member when the node's own results are complete, and a node that
+    stopped its networking then cut them off ("sent 10 parts, but we expected 11")."""
+    return {
+        peer
+        for peer in members
+        if peer in nodes and nodes[peer].state != "leaving" and nodes[peer].round < round_
+    }
+
+
 def excused_peers(counts: Mapping[str, int]) -> set[str]:
     """Peers not to wait for: waited for in vain `NO_SHOW_LIMIT` rounds in a row."""
     return {peer for peer, n in counts.items() if n >= NO_SHOW_LIMIT}

@@ -31,6 +31,7 @@ import math
 import re
 import threading
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -389,6 +390,10 @@ def _result(future, timeout: float, stop: threading.Event | None):
             continue
 
 
+class ReadFailed(str):
+    """A line of ``problems`` that says the whole read failed (what it returned says nothing of the swarm)."""
+
+
 def _get_entries(
     dht: DHT, key: str, problems: list[str] | None = None, stop: threading.Event | None = None
 ) -> dict:
@@ -406,7 +411,7 @@ def _get_entries(
     if message is not None:
         logger.warning(message)
         if problems is not None:
-            problems.append(message)
+            problems.append(ReadFailed(message))
     return found.value if found is not None else {}
 
 
@@ -488,6 +493,36 @@ def fetch_nodes(
         if known is None or record.updated_at > known.updated_at:
             nodes[record.peer_id] = _record_to_node(record, entry.expiration_time)
     return nodes
+
+
+def wait_for_nodes(
+    dht: DHT,
+    run_id: str,
+    pending: Callable[[dict[str, NodeInfo]], Collection[str]],
+    timeout: float,
+    num_shards: int | None = None,
+    stop: threading.Event | None = None,
+    poll_s: float = 0.5,
+) -> Collection[str] | None:
+    """Read the node records every `poll_s` until `pending(nodes)` (the peers still awaited) is empty, for at most
+    `timeout` seconds or until `stop` is set. Returns what was still pending at the last read that did not fail
+    (empty: none), or None if every read failed; a failed read (a timeout, a stop) never ends the wait early."""
+    deadline = time.monotonic() + timeout
+    waiting: Collection[str] | None = None
+    while stop is None or not stop.is_set():
+        problems: list[str] = []
+        nodes = fetch_nodes(dht, run_id, num_shards, problems, stop)
+        if not any(isinstance(problem, ReadFailed) for problem in problems):
+            waiting = pending(nodes)
+            if not waiting:
+                break
+        if time.monotonic() >= deadline:
+            break
+        if stop is not None:
+            stop.wait(poll_s)
+        else:
+            time.sleep(poll_s)
+    return waiting
 
 
 def publish_config(
