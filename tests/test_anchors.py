@@ -80,6 +80,20 @@ def test_overlap_adds_the_progress_made_meanwhile():
     torch.testing.assert_close(anchor["w"], torch.full((4,), 0.75))
 
 
+def test_an_overlapped_nesterov_update_lands_the_progress_made_meanwhile():
+    outer = NesterovOuter(lr=0.7, momentum=0.9)
+    outer.remember(_weights(1.0))
+    sent, local = _weights(0.5), _weights(0.4)
+    apply_update(outer, local, sent, outer.previous, {"w": torch.full((4,), 0.5)})
+    new_global = 1.0 - 0.7 * (0.5 + 0.9 * 0.5)
+    torch.testing.assert_close(outer.previous["w"], torch.full((4,), new_global))
+    torch.testing.assert_close(local["w"], torch.full((4,), new_global - 0.1))
+    # without a group, the weights handed over become the anchor, and the live ones stay
+    apply_update(outer, local, _weights(0.3), outer.previous, None)
+    torch.testing.assert_close(outer.previous["w"], torch.full((4,), 0.3))
+    torch.testing.assert_close(local["w"], torch.full((4,), new_global - 0.1))
+
+
 def test_nesterov_update_keeps_its_anchor_as_previous():
     outer = NesterovOuter(lr=0.7, momentum=0.9)
     local = _weights(0.5)

@@ -46,6 +46,27 @@ def test_nesterov_outer_step_matches_formula():
     assert torch.allclose(local["w"], expected1 - lr * (g2 + mu * v2))
 
 
+def test_an_overlapped_nesterov_step_lands_the_progress_made_meanwhile_on_the_new_global_weights():
+    lr, mu = 0.7, 0.9
+    start = torch.tensor([1.0, -1.0, 0.5])
+    handed = torch.tensor([0.8, -0.7, 0.6])  # the weights handed to the all-reduce, H steps after `start`
+    trained = torch.tensor([0.75, -0.6, 0.65])  # the live weights when the result lands
+    average = torch.tensor([0.6, -0.4, 0.55])
+    outer = NesterovOuter(lr, mu)
+    outer.remember({"w": start})
+    local = {"w": trained.clone()}
+    apply_outer(outer, local, {"w": handed.clone()}, {"w": average})
+    # the step acts on the global weights (`start`), not on what was trained since; the progress since the hand-over
+    # (trained - handed) goes back on top
+    grad = start - average
+    new_global = start - lr * (grad + mu * grad)
+    torch.testing.assert_close(local["w"], new_global + (trained - handed))
+    torch.testing.assert_close(outer.previous["w"], new_global)
+    # a round without a group: the weights handed over are the next round's start
+    apply_outer(outer, local, {"w": handed.clone()}, None)
+    torch.testing.assert_close(outer.previous["w"], handed)
+
+
 def test_nesterov_with_lr_one_and_no_momentum_is_the_plain_average():
     outer = NesterovOuter(1.0, 0.0)
     outer.remember({"w": torch.tensor([2.0])})

@@ -10,7 +10,8 @@ Anchors have ids: members that shared an anchor and applied the same average agr
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -23,20 +24,15 @@ def apply_outer(outer, local: dict, sent: dict | None, averaged: dict | None) ->
     """Apply a round's result to the live weights.
 
     Without overlap (`sent` is None) the outer step acts on the weights directly. With overlap, the weights moved on
-    after `sent` (a copy in host memory) was handed to the all-reduce: the outer step acts on `sent`, and the local
-    progress made since (local - sent) is added back on top of the new global weights; both are worked out in host
-    memory, and the training device only receives the result.
+    after `sent` (a copy in host memory) was handed to the all-reduce: the outer step gives the new global weights,
+    and the local progress made since (local - sent) is added back on top (`_keep_progress`).
     """
     if averaged is None:
         if isinstance(outer, NesterovOuter):
             outer.remember(sent if sent is not None else local)
         return
-    target = sent if sent is not None else local
-    delta = {k: local[k].to(sent[k].device) - sent[k] for k in local} if sent is not None else None
-    outer.apply(target, averaged)  # each tensor copied where it is needed, not the group at once
-    if delta is not None:
-        for k, tensor in local.items():
-            tensor.copy_(target[k] + delta[k])
+    with _keep_progress(local, sent):
+        outer.apply(local, averaged)  # each tensor copied where it is needed, not the group at once
 
 
 def initial_anchor_id(config_hash: str) -> str:
@@ -81,26 +77,37 @@ def settle_anchor(
 @torch.no_grad()
 def apply_update(outer, local: dict, sent: dict | None, anchor: dict, update: dict | None) -> None:
     """Averaging updates: apply a round's averaged pseudo-gradient to the anchor, which becomes the new weights
-    (and the next anchor). Without a group, the trained weights are the new anchor. With overlap, as
-    `apply_outer`: the local progress made since `sent` is added back on top."""
-    target = sent if sent is not None else local
-    delta = {k: local[k].to(sent[k].device) - sent[k] for k in local} if sent is not None else None
+    (and the next anchor). Without a group, the trained weights are the new anchor (with overlap: those handed
+    over). With overlap, as `apply_outer`: the local progress made since `sent` is added back on top."""
     if update is None:
+        handed = sent if sent is not None else local
         if isinstance(outer, NesterovOuter):
-            outer.remember(target)
+            outer.remember(handed)
         else:
             for name, tensor in anchor.items():
-                tensor.copy_(target[name])
+                tensor.copy_(handed[name])
         return
-    if isinstance(outer, NesterovOuter):
-        outer.apply_update(target, anchor, update)  # remembers the new weights as its next anchor
-    else:
-        for name, tensor in anchor.items():
-            tensor.sub_(update[name].to(tensor.device))
-            target[name].copy_(tensor)
-    if delta is not None:
-        for k, tensor in local.items():
-            tensor.copy_(target[k] + delta[k])
+    with _keep_progress(local, sent):
+        if isinstance(outer, NesterovOuter):
+            outer.apply_update(local, anchor, update)  # remembers the new weights as its next anchor
+        else:
+            for name, tensor in anchor.items():
+                tensor.sub_(update[name].to(tensor.device))
+                local[name].copy_(tensor)
+
+
+@contextmanager
+def _keep_progress(local: dict, sent: dict | None) -> Iterator[None]:
+    """Around an outer step that writes the new global weights into `local`: with overlap, the progress made since
+    `sent` was handed over is kept and added back on top. It is worked out in place of `sent`, tensor by tensor
+    (the copy is spent: it was only kept for this), so landing a group takes no second copy of it in host memory."""
+    if sent is not None:
+        for name, tensor in local.items():
+            sent[name].neg_().add_(tensor.to(sent[name].device))
+    yield
+    if sent is not None:
+        for name, tensor in local.items():
+            tensor.add_(sent[name].to(tensor.device))
 
 
 RESYNC_UPDATES = 8.0
