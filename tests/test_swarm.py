@@ -234,17 +234,17 @@ def test_overlapping_the_shards_only_lands_the_shared_average_at_once_and_the_sh
     names = ("a", "b")
     for name, rounds in _two_holders_three_rounds(swarm, names).items():
         for report in rounds:
-            # on a loaded machine an all-reduce now and then loses parts in hivemind's transport ("sent 10 parts,
-            # but we expected 11"), in any mode; nothing else may go wrong
-            assert all("parts not averaged" in error for error in report["errors"]), report
+            # "sent 10 parts, but we expected 11" in the last round, seen twice on a loaded machine, was a node that
+            # stopped its networking while its last averaged parts were on their way to the other: a node now
+            # leaves once the other has ended the round (`Node.await_round_members`), and nothing may go wrong
+            assert not report["errors"], report
         # the shards' all-reduces ran beside the next steps; the last round (the node leaves after it) waited
         assert [r["overlapped"] for r in rounds] == [True, True, False], rounds
         assert "Traceback" not in swarm.log(name)
-    # the last round averaged both groups at once: both nodes leave with the same weights (unless it lost parts)
-    if not any(swarm.summary(name)["rounds"][-1]["errors"] for name in names):
-        a, b = (swarm.checkpoint(name).tensors for name in names)
-        _assert_close(_shared_tensors(a), _shared_tensors(b), "shared parameters of a vs b")
-        _assert_close(_shard_tensors(a, 0), _shard_tensors(b, 0), "shard 0 at its replicas")
+    # the last round averaged both groups at once: both nodes leave with the same weights
+    a, b = (swarm.checkpoint(name).tensors for name in names)
+    _assert_close(_shared_tensors(a), _shared_tensors(b), "shared parameters of a vs b")
+    _assert_close(_shard_tensors(a, 0), _shard_tensors(b, 0), "shard 0 at its replicas")
 
 
 def _two_holders_three_rounds(swarm, names) -> dict[str, list[dict]]:
