@@ -199,10 +199,12 @@ class SwarmConfig:
     overlap_shards: bool = True
     """Overlap the shards' all-reduces only (the bulk of a round's bytes): training waits for the shared parameters'
     all-reduce, applies its result, and goes on while the shards' run; their result is applied with the local
-    progress made meanwhile. It costs the host an fp32 copy of the own shards. On by default: no measurable loss in
-    the quality simulation (6 seeds), 0.928-0.941 of the loop without syncs on 100 Mbit/s links against
-    0.856-0.876 (false: training waits for every all-reduce, as published). The last round of a `--max-rounds` run
-    waits. `overlap` overlaps every group and supersedes it."""
+    progress made meanwhile. With the plain average of weights (the default) it costs no memory: the averagers
+    return the average's difference to what was handed over; Nesterov and update averaging keep an fp32 host copy
+    of the own shards while they run. On by default: no measurable loss in the quality simulation (6 seeds),
+    0.928-0.941 of the loop without syncs on 100 Mbit/s links against 0.856-0.876 (false: training waits for every
+    all-reduce, as published). The last round of a `--max-rounds` run waits. `overlap` overlaps every group and
+    supersedes it."""
     train_while_waiting: bool = True
     """A node that reaches the sync while peers it averages with are still training goes on training, step by step
     while another ends before the slowest of them is due by its record (at most a round's wait), instead of idling

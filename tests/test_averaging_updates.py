@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from spes_node.daemon.anchors import apply_difference
 from spes_node.swarm.averaging import (
     GroupAverager,
     GroupResult,
@@ -185,6 +186,31 @@ def test_weights_mode_averages_weights_as_before(dhts):
                 assert result.group_size == 2 and group[0].residual_bytes == 0
                 error = float((flat(averaged) - flat(mean)).norm() / flat(mean).norm())
                 assert error < tolerance, (compression, error)
+        finally:
+            shutdown(group)
+
+
+def test_differences_mode_returns_what_lands_the_average_on_the_weights_handed_over(dhts):
+    # the plain average of weights as nodes run it: each member gets the average minus its own weights, which it
+    # adds to its live weights, trained on since the hand-over or not (`anchors.apply_difference`)
+    for compression, tolerance in (("none", 1e-6), ("fp16", 1e-3)):
+        group = averagers(dhts, 2, compression=compression, average="differences")
+        try:
+            generator = torch.Generator().manual_seed(2)
+            weights = [{n: torch.randn(s, generator=generator) for n, s in SHAPES.items()} for _ in group]
+            progress = [
+                {n: 0.01 * torch.randn(s, generator=generator) for n, s in SHAPES.items()} for _ in group
+            ]
+            live = [{n: w[n] + p[n] for n in SHAPES} for w, p in zip(weights, progress)]
+            outcomes = one_round(group, weights)
+            mean = {n: sum(w[n] for w in weights) / len(weights) for n in SHAPES}
+            for (result, difference), own, trained, extra in zip(outcomes, weights, live, progress):
+                assert result.group_size == 2
+                error = float((flat(own) + flat(difference) - flat(mean)).norm() / flat(mean).norm())
+                assert error < tolerance, (compression, error)
+                apply_difference(trained, difference)
+                landed = flat(trained) - flat(extra)
+                assert float((landed - flat(mean)).norm() / flat(mean).norm()) < tolerance, compression
         finally:
             shutdown(group)
 

@@ -77,7 +77,9 @@ def test_the_checkpoint_copy_holds_frozen_experts_only_when_checkpoints_do():
 
 
 def test_update_averaging_and_refresh_by_updates_are_counted():
-    cfg = load_preset("spes-1b").replace(swarm={"refresh_by_updates": False})
+    # the round as published: overlap's copies (update averaging keeps them, the plain average does not) are
+    # counted in test_overlap_costs_the_host_a_copy_of_what_it_hands_over_only_for_nesterov_or_update_averaging
+    cfg = load_preset("spes-1b").replace(swarm={"refresh_by_updates": False} | WAITING)
     base = memory_plan(cfg)
     trainable = base.trainable_params
     plain = memory_plan(cfg.replace(swarm={"average": "updates", "wire_compression": "int8"}))
@@ -145,7 +147,7 @@ WAITING = {"overlap": False, "overlap_shards": False}
     [
         {"average": "updates", "wire_compression": "int8"},
         {"outer_optimizer": "nesterov"},
-        {"overlap": True},
+        {"overlap": True, "outer_optimizer": "nesterov"},
         {"average": "updates", "wire_compression": "int8", "outer_optimizer": "nesterov", "overlap": True},
     ],
 )
@@ -161,16 +163,29 @@ def test_spes_7b_fits_a_48gb_card_with_any_round_options(swarm):
     assert "outer optimizer, anchor, overlap copies" in plan_table(plan)
 
 
-def test_overlapping_the_shards_only_costs_the_host_a_copy_of_the_own_shards():
+def test_overlap_costs_the_host_a_copy_of_what_it_hands_over_only_for_nesterov_or_update_averaging():
     cfg = load_preset("spes-7b")
     counts = param_counts(cfg.model, cfg.swarm.num_shards)
-    published = memory_plan(cfg.replace(swarm=WAITING), 2, 80 * GIB)
-    shards_only = memory_plan(cfg.replace(swarm={"overlap": False, "overlap_shards": True}), 2, 80 * GIB)
-    everything = memory_plan(cfg.replace(swarm={"overlap": True}), 2, 80 * GIB)
-    assert load_preset("spes-7b").swarm.overlap_shards, "on by default"
-    assert shards_only.outer - published.outer == 4 * 2 * counts["shard"]
-    assert everything.outer - published.outer == 4 * (counts["shared"] + 2 * counts["shard"])
-    assert shards_only.gpu_total == published.gpu_total
+    assert cfg.swarm.overlap_shards, "on by default"
+    # the plain average of weights lands as its difference to what was handed over: no copy, overlapped or not
+    outers = {
+        options: memory_plan(cfg.replace(swarm=dict(options)), 2, 80 * GIB).outer
+        for options in (
+            tuple(WAITING.items()),
+            (("overlap", False), ("overlap_shards", True)),
+            (("overlap", True),),
+        )
+    }
+    assert set(outers.values()) == {0}, outers
+    for other in ({"outer_optimizer": "nesterov"}, {"average": "updates"}):
+        published = memory_plan(cfg.replace(swarm=WAITING | other), 2, 80 * GIB)
+        shards_only = memory_plan(
+            cfg.replace(swarm={"overlap": False, "overlap_shards": True} | other), 2, 80 * GIB
+        )
+        everything = memory_plan(cfg.replace(swarm={"overlap": True} | other), 2, 80 * GIB)
+        assert shards_only.outer - published.outer == 4 * 2 * counts["shard"], other
+        assert everything.outer - published.outer == 4 * (counts["shared"] + 2 * counts["shard"]), other
+        assert shards_only.gpu_total == published.gpu_total
 
 
 def test_spes_1b_fits_a_24gb_card():

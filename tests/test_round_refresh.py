@@ -187,9 +187,10 @@ def test_a_step_that_an_averager_never_takes_is_given_up_and_reported():
 
 
 def test_an_overlapped_round_copies_only_the_groups_that_need_their_sent_weights():
-    """overlap_shards keeps a host copy of each own shard while its all-reduce runs, to land the result with the
-    progress made since. A shard with no other holder is not averaged: with the plain average of weights its copy
-    would never be read, while update averaging and a Nesterov step anchor on it."""
+    """Under overlap_shards, update averaging and a Nesterov step keep a host copy of each own shard while its
+    all-reduce runs, to land the result with the progress made since, and anchor on it when a shard with no other
+    holder is not averaged. The plain average of weights keeps none, with a group or without: its averagers
+    return the difference that lands it (`averaging.MODES`)."""
     import torch
 
     from spes_node.daemon.round import RoundInputs
@@ -218,5 +219,8 @@ def test_an_overlapped_round_copies_only_the_groups_that_need_their_sent_weights
             if copied:
                 local = shard_tensors(model, 0)
                 assert all(torch.equal(sent[k], local[k]) for k in local), swarm
+            # with a group to average with (a step in flight)
+            assert spes_round._keeps_sent("shard0", object()) == copied, swarm
+            assert spes_round.differences == (not copied), swarm
         finally:
             spes_round.loop.stop()

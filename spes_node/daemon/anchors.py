@@ -1,8 +1,9 @@
 """A group's anchor and how a round's result moves the live weights.
 
-A group's anchor is its weights at the last sync. Averaging weights, the outer step (`PlainAverage` or
-`NesterovOuter`) acts on the averaged weights (`apply_outer`). Averaging updates, the round's averaged
-pseudo-gradient is applied to the anchor, which becomes the new weights and the next anchor (`apply_update`).
+A group's anchor is its weights at the last sync. Averaging weights, the plain average lands as its difference
+to the weights handed over (`apply_difference`), and a Nesterov step acts on the averaged weights
+(`apply_outer`). Averaging updates, the round's averaged pseudo-gradient is applied to the anchor, which becomes
+the new weights and the next anchor (`apply_update`).
 Anchors have ids: members that shared an anchor and applied the same average agree on the next id
 (`settle_anchor`); a node whose anchor the group did not share takes the group's weights once, within a bound
 (`resync_acceptable`). Pure functions: the round (`round.py`) owns the anchors and calls these.
@@ -17,6 +18,16 @@ from dataclasses import dataclass, field
 import torch
 
 from spes_node.swarm.averaging import NesterovOuter, next_anchor_id
+
+
+@torch.no_grad()
+def apply_difference(local: dict, difference: dict | None) -> None:
+    """The plain average of weights, from its difference to the weights handed over (`averaging.MODES`), into the
+    live weights: the average, plus whatever was trained since the hand-over (nothing when training waited)."""
+    if difference is None:
+        return
+    for name, tensor in local.items():
+        tensor.add_(difference[name].to(tensor.device, tensor.dtype))
 
 
 @torch.no_grad()

@@ -329,11 +329,14 @@ def memory_plan(
     weights = grads = 4 * trainable
     optimizer = 8 * trainable
     nesterov = 8 * trainable if s.outer_optimizer == "nesterov" else 0  # previous weights and velocity
-    # overlap: the copy handed to the all-reduce (of the own shards only with overlap_shards); averaging updates
-    # with the plain average: the fp32 anchor (the weights at the last sync; Nesterov's previous weights serve as
-    # the anchor at no extra cost)
+    # overlap: the copy handed to the all-reduce (of the own shards only with overlap_shards), for Nesterov or
+    # update averaging only (the plain average of weights lands as its difference: `averaging.MODES`); averaging
+    # updates with the plain average: the fp32 anchor (the weights at the last sync; Nesterov's previous weights
+    # serve as the anchor at no extra cost)
     anchor = 4 * trainable if s.average == "updates" and s.outer_optimizer != "nesterov" else 0
+    copies = s.average == "updates" or s.outer_optimizer == "nesterov"
     overlapped = trainable if s.overlap else shards_held * counts["shard"] if s.overlap_shards else 0
+    overlapped = overlapped if copies else 0
     outer = nesterov + 4 * overlapped + anchor
     static = weights + optimizer + frozen
 

@@ -29,6 +29,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from spes_node.aio import LoopThread
 from spes_node.config import SpesConfig, SwarmConfig
 from spes_node.daemon.anchors import (
+    apply_difference,
     apply_outer,
     apply_update,
     initial_anchor_id,
@@ -186,6 +187,8 @@ class _Flight:
     """Peers whose records made the round wait for them (see `progress.no_shows`)."""
     shared_landed: tuple[GroupResult, dict[str, torch.Tensor] | None] | None = None
     """Overlapping the shards only: the shared parameters' result, applied already (`land_shared`)."""
+    overlapped: bool = False
+    """Some of the round's all-reduces run while training goes on (`swarm.overlap`, `swarm.overlap_shards`)."""
 
     def handles(self) -> list:
         return [self.shared, *self.shards.values()]
@@ -239,6 +242,10 @@ class SpesRound:
         """Peers the node trained extra steps for before this round (`wait_ahead`): waited for, for the no-shows."""
         self.updates = cfg.swarm.average == "updates"
         """Average pseudo-gradients from anchors (`swarm.average = "updates"`) instead of the weights."""
+        self.differences = not self.updates and cfg.swarm.outer_optimizer != "nesterov"
+        """The plain average of weights: the averagers return each average's difference to what was handed over,
+        which lands on the live weights as it is, trained on since or not (no host copy of the handed-over weights;
+        `averaging.MODES`)."""
         self._anchors: dict[str, dict[str, torch.Tensor]] = {}
         """Updates mode, plain average: each group's weights at its last sync (Nesterov keeps them as `previous`)."""
         self.anchor_ids: dict[str, str] = {}
@@ -301,7 +308,7 @@ class SpesRound:
             bans=self.bans,
             swarm_key=self.swarm_key,
             max_weight=float(swarm.sync_steps * tokens_per_step(self.cfg)),
-            average=swarm.average,
+            average="differences" if self.differences else swarm.average,
         )
 
     def reset_outer(self, anchor_id: str | None = None) -> None:
@@ -458,14 +465,19 @@ class SpesRound:
             },
             errors=errors,
             waited_for=sorted(self._waited_ahead | {peer for peer, eta in etas.items() if eta > 0}),
+            overlapped=(overlap and shared_handle is not None)
+            or ((overlap or overlap_shards) and any(h is not None for h in shard_handles.values())),
         )
         self._waited_ahead = set()
 
     def _keeps_sent(self, key: str, handle) -> bool:
         """Whether an overlapped group keeps a host copy of the weights it hands over: to land its result with the
         local progress made since, or, with no group to average with, as the anchor that update averaging and a
-        Nesterov step take (`apply_update`, `apply_outer`). A lone holder averaging weights plainly needs none."""
-        return handle is not None or self.updates or isinstance(self._outer_of(key), NesterovOuter)
+        Nesterov step take (`apply_update`, `apply_outer`). The plain average of weights needs none: its averager
+        returns the difference to add (`differences`)."""
+        return not self.differences and (
+            handle is not None or self.updates or isinstance(self._outer_of(key), NesterovOuter)
+        )
 
     def training_started(self) -> None:
         """The node's first step is about to run: its first round is timed from here (see `wait_cap`)."""
@@ -552,8 +564,11 @@ class SpesRound:
         flight.shared_landed = (result, averaged)
 
     def _apply(self, key: str, outer, local: dict, sent: dict | None, averaged: dict | None) -> None:
-        """A group's result into `local` (see `anchors.apply_update` and `anchors.apply_outer`)."""
-        if self.updates:
+        """A group's result into `local` (see `anchors.apply_difference`, `anchors.apply_update` and
+        `anchors.apply_outer`)."""
+        if self.differences:
+            apply_difference(local, averaged)
+        elif self.updates:
             apply_update(outer, local, sent, self.anchor(key), averaged)
         else:
             apply_outer(outer, local, sent, averaged)
@@ -608,8 +623,7 @@ class SpesRound:
             data_part=inputs.data_part,
             shared_group=shared_result.group_size,
             shard_groups={shard: r.group_size for shard, r in shard_results.items()},
-            overlapped=flight.sent_shared is not None
-            or any(s is not None for s in flight.sent_shards.values()),
+            overlapped=flight.overlapped,
             steps=inputs.steps,
             steps_while_waiting=max(inputs.steps - self.cfg.swarm.sync_steps, 0),
         )

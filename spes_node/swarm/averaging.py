@@ -52,7 +52,10 @@ from spes_node.swarm.swarm_key import SwarmKey
 
 logger = logging.getLogger(__name__)
 
-MODES = ("weights", "updates")
+MODES = ("weights", "differences", "updates")
+"""What a group averages and `GroupAverager.finish` returns: the weights, and their average; the weights, and the
+average's difference to what this member handed over (what a plain average adds to its weights, with or without
+training since: no copy of the handed-over weights is needed to land it); pseudo-gradients, and their average."""
 ANCHOR_ID_CHARS = 32
 
 
@@ -123,8 +126,9 @@ STEP_GRACE_SECONDS = 30.0
 class GroupAverager:
     """Averages a fixed list of named tensors with whoever is matchmaking under the same key.
 
-    `average="updates"` averages pseudo-gradients (see the module docstring); `error_feedback=False` turns the
-    residual off (for comparison). `step_grace`: seconds past a step's own timeouts before `finish` gives up an
+    `average="updates"` averages pseudo-gradients (see the module docstring), `average="differences"` averages
+    weights and returns each average's difference to what was handed over (`MODES`); `error_feedback=False` turns
+    the residual off (for comparison). `step_grace`: seconds past a step's own timeouts before `finish` gives up an
     averager that gave no outcome."""
 
     def __init__(
@@ -170,6 +174,7 @@ class GroupAverager:
             next_chunk_timeout=max(2 * matchmaking_time, 5.0),
             shutdown_timeout=2.0,
             updates=average == "updates",
+            differences=average == "differences",
             error_feedback=error_feedback,
             start=True,
         )
@@ -230,8 +235,9 @@ class GroupAverager:
 
     def finish(self, handle: StepHandle) -> tuple[GroupResult, dict[str, torch.Tensor] | None]:
         """Wait for the step, until its deadline at most; returns the averaged tensors (with updates: the averaged
-        pseudo-gradient), or None when no group formed, the all-reduce failed or the averager gave no outcome in
-        time (the step is then cancelled, and the result's `error` says so)."""
+        pseudo-gradient; with differences: the average minus what this member handed over), or None when no group
+        formed, the all-reduce failed or the averager gave no outcome in time (the step is then cancelled, and the
+        result's `error` says so)."""
         control, start, deadline = handle
         try:
             outcome: GroupOutcome | None = control.result(timeout=max(0.0, deadline - time.perf_counter()))

@@ -633,9 +633,11 @@ class RobustAverager(DecentralizedAverager):
     Bans and the expected group are set from the parent process with `set_peers` before a step.
 
     `updates=True` averages updates (see the module docstring): the tensors hold what to send, and after a step
-    the value every member applied. With `error_feedback` and a lossy compression, `residual` (shared memory,
-    shaped like the tensors) holds what compression dropped in the last all-reduce; whoever fills the tensors for
-    the next step adds it (`GroupAverager` does).
+    the value every member applied. `differences=True`: after a step, the tensors hold the average minus what they
+    held before (hivemind's runner yields exactly that); a step whose all-reduce has begun writing them is then
+    never tried again, since a retry would average differences as if they were weights. With `error_feedback` and
+    a lossy compression, `residual` (shared memory, shaped like the tensors) holds what compression dropped in the
+    last all-reduce; whoever fills the tensors for the next step adds it (`GroupAverager` does).
     """
 
     def run(self) -> None:
@@ -655,12 +657,17 @@ class RobustAverager(DecentralizedAverager):
         swarm_key: SwarmKey | None = None,
         policy: RobustPolicy = RobustPolicy(),
         updates: bool = False,
+        differences: bool = False,
         error_feedback: bool = True,
         start: bool = True,
         **kwargs,
     ):
+        if updates and differences:
+            raise ValueError("differences are of averaged weights, not of averaged updates")
         super().__init__(averaged_tensors, dht, prefix=prefix, start=False, **kwargs)
         self.policy, self.swarm_key, self.updates = policy, swarm_key, updates
+        self.differences = differences
+        self._step_control = None
         lossy = not isinstance(self.allreduce_kwargs.get("compression"), NoCompression)
         self.residual: tuple[torch.Tensor, ...] | None = None
         if updates and error_feedback and lossy:
@@ -692,6 +699,15 @@ class RobustAverager(DecentralizedAverager):
 
     def step(self, gather: Any = None, **kwargs):
         return super().step(gather=[gather, self._tag], **kwargs)
+
+    async def _step(self, *, step, future_for_init) -> None:
+        # in the averager process: the step whose all-reduce may write differences (see `differences`)
+        self._step_control = step
+        try:
+            await super()._step(step=step, future_for_init=future_for_init)
+        finally:
+            if self._step_control is step:
+                self._step_control = None
 
     def set_peers(self, banned: Collection[str], expected: Collection[str] = ()) -> None:
         """For the next step on: peers (base58) to refuse and ignore, and the peers expected in our group (a group
@@ -803,6 +819,13 @@ class RobustAverager(DecentralizedAverager):
         async for tensor, update in azip(as_aiter(*tensors), runner):
             if self.updates:
                 tensor.copy_(update)
+            elif self.differences:
+                if self._step_control is not None:
+                    # hivemind 1.1.12 reads a step's retry permission from here, in this process
+                    self._step_control._allow_retries = False
+                tensor.copy_(update)
+                if self._averaging_alpha != 1.0:
+                    tensor.mul_(self._averaging_alpha)
             else:
                 tensor.add_(update, alpha=self._averaging_alpha)
             self.last_updated = get_dht_time()
