@@ -16,6 +16,7 @@ from pathlib import Path
 import hivemind
 import pytest
 from hivemind.averaging.averager import DecentralizedAverager
+from hivemind.averaging.control import StepControl
 from hivemind.averaging.partition import TensorPartReducer
 from hivemind.p2p import P2P
 from hivemind.utils.mpfuture import MPFuture
@@ -68,6 +69,16 @@ def test_the_robust_reducer_copies_match_the_hivemind_they_replace():
     source = inspect.getsource(DecentralizedAverager._run_allreduce_inplace_)
     assert "self._running_groups[group_id].set_result(runner)" in source
     assert "tensor.add_(update, alpha=self._averaging_alpha)" in source
+
+
+def test_a_step_that_writes_differences_can_refuse_its_retries():
+    # RobustAverager._step wraps hivemind's, which the command pipe calls with these keywords; with differences,
+    # the averager clears the step's retry permission, which hivemind reads from `_allow_retries` before a retry
+    assert "dict(step=step, future_for_init=future_for_init)" in inspect.getsource(DecentralizedAverager.step)
+    assert "not step.allow_retries" in inspect.getsource(DecentralizedAverager._step)
+    control = inspect.getsource(StepControl)
+    assert "self._allow_retries = data_for_gather, deadline, allow_retries" in control
+    assert "return self._allow_retries" in control
 
 
 def test_bans_travel_on_the_averagers_command_pipe():
