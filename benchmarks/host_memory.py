@@ -47,6 +47,7 @@ SETTINGS = {
     "grad_accum": 1,
     "sample_interval_s": 0.5,
     "timeout_s": 1500,
+    "same_shard": False,
 }
 GIB = 1024**3
 
@@ -184,7 +185,10 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
 
     def go():
         try:
-            swarm.run(max_rounds=settings["rounds"], timeout=settings["timeout_s"], pin_data=False)
+            shards = [0] * settings["nodes"] if settings["same_shard"] else None
+            swarm.run(
+                max_rounds=settings["rounds"], timeout=settings["timeout_s"], pin_data=False, shards=shards
+            )
         except (SwarmFailed, OSError) as e:
             failure.append(e)
 
@@ -222,6 +226,7 @@ def run(workdir: Path, settings: dict | None = None) -> dict:
         peaks[i].update(
             rounds=len(rounds),
             group_sizes=[r["shared_group"] for r in rounds],
+            shard_group_sizes=[r["shard_group"] for r in rounds],
             startup_seconds=_startup_seconds(node.timeline),
             peak_ratio_to_plan=peaks[i]["tree_kib"] * 1024 / need,
             peak_ratio_to_model_as_stored=peaks[i]["tree_kib"] * 1024 / stored,
@@ -240,9 +245,20 @@ def main() -> None:
     parser.add_argument(
         "--start-anyway", action="store_true", help="start the nodes even where the plan says they do not fit"
     )
+    parser.add_argument(
+        "--same-shard",
+        action="store_true",
+        help="every node holds shard 0: replicas, whose shard all-reduces run (beside the steps, by default)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = {**SETTINGS, "nodes": args.nodes, "rounds": args.rounds, "start_anyway": args.start_anyway}
+    settings = {
+        **SETTINGS,
+        "nodes": args.nodes,
+        "rounds": args.rounds,
+        "start_anyway": args.start_anyway,
+        "same_shard": args.same_shard,
+    }
     with LoadMonitor() as load:
         results = run(Path(args.workdir), settings)
     emit(
@@ -270,9 +286,11 @@ def main() -> None:
         emit(
             f"node{i}: peak PSS {mib(node['tree_kib'] * 1024):.0f} MiB (daemon process {mib(node['main_kib'] * 1024):.0f} MiB), "
             f"{node['peak_ratio_to_plan']:.2f}x the plan, {node['peak_ratio_to_model_as_stored']:.2f}x the model as "
-            f"stored, at {node['peak_at']}; rounds {node['rounds']}, groups {node['group_sizes']}"
+            f"stored, at {node['peak_at']}; rounds {node['rounds']}, groups {node['group_sizes']}, shard groups "
+            f"{node['shard_group_sizes']}"
         )
     name = "host_memory" if settings["nodes"] == 1 else f"host_memory_{settings['nodes']}nodes"
+    name += "_replicas" if settings["same_shard"] else ""
     emit(f"wrote {write_result(name, settings, results, load.summary())}")
 
 
