@@ -144,7 +144,6 @@ class Node:
         self.tokens_since_sync = 0
         self.round_losses: list[float] = []
         self._heartbeat: threading.Thread | None = None
-        self._last_round_members: list[str] = []
         self.dht: hivemind.DHT | None = None
         self.sync: SpesRound | None = None
         self._net_loop: LoopThread | None = None
@@ -893,7 +892,7 @@ class Node:
         p2pd's buffers, behind a slow reader); stopping the networking then would cut them off, and that member's
         round would lose a part. Both sides announce before they wait, so two nodes leaving together free each
         other."""
-        members = self._last_round_members
+        members = self.round_reports[-1]["members"] if self.round_reports else []
         if not members or self.stop_event.is_set():
             return
         self.status.state = "leaving"
@@ -969,7 +968,6 @@ class Node:
     def _complete_round(self) -> None:
         report = self.sync.complete_round()
         self._apply_round(report)
-        self._last_round_members = list(report.members)
         self.metrics.update(self.status, self.sync.last_report, step=self.trainer.step)
         self.round_reports.append(self.sync.last_report)
         self.rounds_done += 1
