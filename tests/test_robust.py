@@ -10,7 +10,14 @@ from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.averaging.partition import TensorPartContainer
 from hivemind.p2p import PeerID
 
-from spes_node.swarm.robust import CheckedPartContainer, RobustPolicy, SpesMatchmaking, robust_mean
+from spes_node.swarm.averaging import MAX_WORK_RATIO
+from spes_node.swarm.robust import (
+    CheckedPartContainer,
+    RobustPolicy,
+    SpesMatchmaking,
+    check_result,
+    robust_mean,
+)
 
 
 def test_a_claimed_weight_counts_no_more_than_one_round_of_training():
@@ -26,6 +33,39 @@ def test_a_claimed_weight_counts_no_more_than_one_round_of_training():
     # the attacker claims a billion tokens; the relative weight cap alone (2x the lower median) gave it 2/3
     assert abs(attacker_share(RobustPolicy()) - 2 / 3) < 1e-5
     assert abs(attacker_share(RobustPolicy(max_weight=round_tokens)) - 1 / 2) < 1e-5
+
+
+def test_an_honest_update_trained_longer_than_ours_is_not_rejected_but_a_liars_still_is():
+    """Update averaging: members train unequal amounts in a round (one trains on while it waits for a slower peer,
+    a joiner only the rest of the round), and an update grows with the steps behind it. A node that trained 6 steps
+    compares a peer's 20-step update with its own; the plain bound of 4 times its own norm rejected (and banned)
+    that honest peer; the bound raised by the claimed work does not, and a liar's claim raises it at most
+    `MAX_WORK_RATIO` times."""
+    g = torch.Generator().manual_seed(0)
+    direction = torch.randn(4096, generator=g)
+
+    def update(steps: int) -> torch.Tensor:
+        # Adam-like steps of about the learning rate, in a direction shared with the swarm plus one of the node's
+        # own data, under a 10-step warmup (the test swarms' rounds are in it): the norm grows faster than the steps
+        own = direction + torch.randn(4096, generator=g)
+        return sum(0.01 * min(1.0, (t + 1) / 10) * own for t in range(steps))
+
+    tokens_per_step, h = 1000.0, 5
+    ours, longer = update(6), update(20)
+    weights = [6 * tokens_per_step, 20 * tokens_per_step]
+    plain = RobustPolicy(max_weight=h * tokens_per_step)
+    scaled = RobustPolicy(max_weight=h * tokens_per_step, max_work_ratio=MAX_WORK_RATIO)
+    assert robust_mean([ours, longer], weights, ours.shape, own=0, policy=plain).rejected.keys() == {1}
+    kept = robust_mean([ours, longer], weights, ours.shape, own=0, policy=scaled)
+    assert kept.rejected == {}
+    # and the member that trained 6 steps accepts the average its reducer returns
+    assert check_result(kept.result - ours, ours, scaled) is None
+    # a liar claiming a billion tokens gains at most MAX_WORK_RATIO on the bound: 100 times our update is refused
+    liar = robust_mean([ours, 100 * ours], [weights[0], 1e9], ours.shape, own=0, policy=scaled)
+    assert liar.rejected.keys() == {1}
+    assert check_result(200 * ours, ours, scaled) is not None
+    # weights mode keeps the plain bound whatever the claim
+    assert robust_mean([ours, longer], [1.0, 1e9], ours.shape, own=0, policy=plain).rejected.keys() == {1}
 
 
 def test_failed_reducers_are_counted():

@@ -24,7 +24,8 @@ def test_replicas_averaging_int8_updates_agree(tmp_path):
     average to the same anchor, so their trained weights agree (exactly, unless a node started from the swarm's
     round-0 state at fp16 or took the group's weights); and each moves about a quarter of the bytes of fp32 weights."""
     names = ["a", "b", "c"]
-    for attempt in range(2):
+    attempts = 3
+    for attempt in range(attempts):
         (tmp_path / f"run{attempt}").mkdir()
         swarm = Swarm(
             tmp_path / f"run{attempt}", num_shards=1, merge_interval=10_000, matchmaking_time=6.0, **UPDATES
@@ -47,13 +48,15 @@ def test_replicas_averaging_int8_updates_agree(tmp_path):
             members = [
                 name for name, r in last.items() if r["shared_group"] == size and r["shard_group"] == size
             ]
-            assert size >= 2 and len(members) == size, rounds
             failed = {name: last[name]["failed_parts"] for name in members}
-            if any(failed.values()) and attempt == 0:
-                # a reducer that timed out on a loaded machine: the round says so, and its members differ by that
-                # part; the comparison needs a clean last round
-                print(f"\nthe last round had failed parts {failed}: the swarm runs once more")
+            clean = size >= 2 and len(members) == size and not any(failed.values())
+            if not clean and attempt < attempts - 1:
+                # on a loaded machine a reducer can time out, or a shard's matchmaking fail for everyone (a member
+                # gave up before the leader's group reached it): the round says so, and its members differ by
+                # those parts; the comparison needs a clean last round
+                print(f"\nthe last round was not clean (groups of {size}, failed parts {failed}): once more")
                 continue
+            assert size >= 2 and len(members) == size, rounds
             assert not any(failed.values()), (failed, last)
             states = {name: swarm.checkpoint(name) for name in members}
             # the final checkpoint is written right after the last round, before any further local step

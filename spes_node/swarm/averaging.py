@@ -121,6 +121,12 @@ class StepHandle(NamedTuple):
 
 
 STEP_GRACE_SECONDS = 30.0
+MAX_WORK_RATIO = 16.0
+"""Updates mode: how much more work (tokens trained since the sync) than ours a sender's claim can widen its
+distance limit by (`RobustPolicy.max_work_ratio`). Honest members differ by several times: one trains on while it
+waits for a slower peer, a joiner trains only the rest of its first round; with the plain limit of 4 times our
+update's norm, an honest node that trained 20 steps was banned by one that trained 6. A liar gains at most this
+factor on the bound, and its weight in the average is still capped at one round's tokens."""
 
 
 class GroupAverager:
@@ -168,7 +174,9 @@ class GroupAverager:
             client_mode=client_mode,
             allow_state_sharing=False,
             swarm_key=swarm_key,
-            policy=RobustPolicy(max_weight=max_weight),
+            policy=RobustPolicy(
+                max_weight=max_weight, max_work_ratio=MAX_WORK_RATIO if average == "updates" else 1.0
+            ),
             # a member silent this long mid all-reduce (a stalled or frozen machine) is dropped and its part kept
             # local, instead of holding the whole group until the averaging timeout
             next_chunk_timeout=max(2 * matchmaking_time, 5.0),

@@ -55,9 +55,11 @@ the residual to the input (`GroupAverager.step`). Then, with steady weights, the
 from the sum of the exact averages by exactly the group's mean residual, one round's rounding
 (tests/test_averaging_updates.py). Our own part is never compressed on the way in. An all-reduce that fails
 after chunks went out loses their previous residual (at most one round's rounding once). Updates are checked by
-the same distance bound as weights, relative to our own update's norm: an honest member whose update is more
-than `max_distance_ratio` times ours away is rejected, so members must train comparable amounts per round (they
-do: H steps each).
+the same distance bound as weights, relative to our own update's norm, raised by the work a sender claims: an
+honest update grows with the tokens trained for it, and members do not train equal amounts per round (a fast
+node trains on while it waits for a slower one, a joiner starts mid-round), so a sender that claims k times our
+tokens may lie min(k, `max_work_ratio`) times farther (`RobustPolicy.max_work_ratio`; with a bound of 4 alone,
+an honest member that trained 20 steps was banned by one that trained 6).
 
 **Bytes.** `RobustAllReduceRunner` counts the serialized messages of the all-reduce (protobuf size, tensor
 buffer plus a few bytes of header per chunk) in both roles: as a sender (our parts out, results in, through a
@@ -119,6 +121,10 @@ class RobustPolicy:
     """The clipping radius never falls below this times the reference norm."""
     max_weight: float = math.inf
     """No sender's weight counts for more than this (what the config lets a node train in one round)."""
+    max_work_ratio: float = 1.0
+    """Updates: a sender claiming k > 1 times our weight (tokens trained) has its distance limit raised min(k, this)
+    times, and a reducer's result may move our part this many times the plain bound. 1: no raise (weights, whose
+    size does not grow with training)."""
 
 
 @dataclass
@@ -186,10 +192,11 @@ def robust_mean(
     distances = [0.0 if d is None else float(d.norm()) for d in diffs]
     reference = max(float(center.norm()), _lower_median([float(x.norm()) for x in xs]))
     limit = policy.max_distance_ratio * reference + _TINY
-    keep = [k for k, i in enumerate(valid) if i == own or distances[k] <= limit]
+    limits = [limit * _work_ratio(weights, valid, i, own, policy) for i in valid]
+    keep = [k for k, i in enumerate(valid) if i == own or distances[k] <= limits[k]]
     for k, i in enumerate(valid):
         if k not in keep:
-            rejected[i] = f"{distances[k]:.3g} away from ours, more than {limit:.3g}"
+            rejected[i] = f"{distances[k]:.3g} away from ours, more than {limits[k]:.3g}"
 
     w = [min(float(weights[valid[k]]), policy.max_weight) for k in keep]
     cap = policy.weight_cap * _lower_median(w)
@@ -210,12 +217,27 @@ def robust_mean(
     return Aggregate(result.reshape(shape), rejected, own_share)
 
 
+def _work_ratio(
+    weights: Sequence[float], valid: Sequence[int], i: int, own: int | None, policy: RobustPolicy
+) -> float:
+    """How many times farther than the plain limit sender `i`'s part may lie: its claimed weight over ours (the
+    group's lower-median weight without ours), between 1 and `policy.max_work_ratio`."""
+    if policy.max_work_ratio <= 1.0:
+        return 1.0
+    base = float(weights[own]) if own in valid else _lower_median([float(weights[j]) for j in valid])
+    if base <= 0:
+        return policy.max_work_ratio
+    return min(max(float(weights[i]) / base, 1.0), policy.max_work_ratio)
+
+
 def check_result(delta: Any, local: torch.Tensor, policy: RobustPolicy = RobustPolicy()) -> str | None:
     """Why a reducer's result (a delta for our part `local`) cannot be used, or None."""
     reason = check_part(delta, local.shape)
     if reason is not None:
         return reason
-    bound = 2 * policy.max_distance_ratio * float(local.float().norm()) + _TINY
+    bound = (
+        2 * policy.max_distance_ratio * max(policy.max_work_ratio, 1.0) * float(local.float().norm()) + _TINY
+    )
     moved = float(delta.float().norm())
     if not moved <= bound:
         return f"its result moves our part by {moved:.3g}, more than {bound:.3g}"
