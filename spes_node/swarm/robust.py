@@ -543,14 +543,34 @@ class RobustAllReduceRunner(AllReduceRunner):
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         self._serving += 1
         self._served.clear()
+        averaged, ended = 0, "its input ended"
         try:
             async for message in super().rpc_aggregate_part(self.counted(stream, received=True), context):
                 self.bytes_sent += message.ByteSize()
+                averaged += message.code == averaging_pb2.AVERAGED_PART
                 yield message
+        except BaseException as e:
+            ended = type(e).__name__
+            raise
         finally:
             self._serving -= 1
             if not self._serving:
                 self._served.set()
+            expected = self.tensor_part_reducer.num_parts
+            if 0 < expected != averaged:
+                # the sender reports only "sent k parts, but we expected n": say here why we stopped
+                index = (
+                    self.sender_peer_ids.index(context.remote_id)
+                    if context.remote_id in self.sender_peer_ids
+                    else None
+                )
+                banned = index is not None and self.tensor_part_reducer.sender_failed_after[index] != float(
+                    "inf"
+                )
+                logger.warning(
+                    f"sent {context.remote_id} {averaged} of {expected} averaged parts: "
+                    + ("it was banned from this all-reduce" if banned else ended)
+                )
 
     async def counted(self, messages: AsyncIterator, *, received: bool) -> AsyncIterator:
         async for message in messages:
