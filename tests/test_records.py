@@ -177,9 +177,10 @@ def test_a_wait_on_records_ends_once_the_awaited_peers_records_say_so(peers, run
     assert publish_node(c.dht, run_id, _info(c.peer_id, round=2), c.validator, EXPIRATION_S)
     behind_seen = threading.Event()
 
-    def pending(nodes):
-        # what a node leaving after round 3 waits for: its members' records at round 3, or gone
-        waiting = {peer for peer in (b.peer_id, c.peer_id) if peer in nodes and nodes[peer].round < 3}
+    def pending(nodes, leaving):
+        # what a node leaving after round 3 waits for: its members' records at round 3, or leaving
+        assert not leaving or leaving == {c.peer_id}, leaving
+        waiting = {peer for peer in (b.peer_id, c.peer_id) if peer not in leaving and nodes[peer].round < 3}
         if waiting == {b.peer_id, c.peer_id}:
             behind_seen.set()
         return waiting
@@ -202,7 +203,7 @@ def test_a_wait_on_records_ends_once_the_awaited_peers_records_say_so(peers, run
 
     # a member that never ends the round holds the wait for its timeout only, and is returned as still pending
     assert publish_node(b.dht, run_id, _info(b.peer_id, round=4), b.validator, EXPIRATION_S)
-    stuck = lambda nodes: {peer for peer in nodes if nodes[peer].round < 5}  # noqa: E731
+    stuck = lambda nodes, leaving: {peer for peer in nodes if nodes[peer].round < 5}  # noqa: E731
     assert wait_for_nodes(a.dht, run_id, stuck, timeout=0.5, poll_s=0.1) == {b.peer_id}
     # a stop ends it at once; with no read made, it knows of nobody pending or not
     stop = threading.Event()

@@ -54,7 +54,7 @@ from spes_node.model.tokenizer import load_tokenizer
 from spes_node.procs import NodeDHT, kill_tree
 from spes_node.swarm import reachability, records, relay
 from spes_node.swarm.identity import load_or_create_identity
-from spes_node.swarm.progress import ROUND_SLACK, consensus_round, should_catch_up, still_in_round
+from spes_node.swarm.progress import ROUND_SLACK, RoundMembers, consensus_round, should_catch_up
 from spes_node.swarm.swarm_key import SwarmKey
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,9 @@ SHUTDOWN_S = 10.0
 FINAL_WRITE_WAIT_S = 300.0
 """A stopping node waits this long for a checkpoint still being written before it writes the final one; past it,
 that write is abandoned (the checkpoint before it stays) and there is no final checkpoint."""
+ABSENT_GRACE_HEARTBEATS = 10
+"""A node leaving after its last round waits this many heartbeats for a member of that round whose record expired
+(a stalled node heartbeats again; a crashed one does not), within the averaging timeout."""
 NETWORK_SHUTDOWN_S = 4.0
 """Of `SHUTDOWN_S`, what is kept for stopping the DHT (and the averagers, if not stopped yet) after the record is
 withdrawn."""
@@ -886,7 +889,7 @@ class Node:
 
     def await_round_members(self) -> None:
         """Leaving after the last round of a `--max-rounds` run: announce it, then wait (at most the averaging
-        timeout) until the other members of that round's groups have ended it too (`progress.still_in_round`).
+        timeout) until the other members of that round's groups have ended it too (`progress.RoundMembers`).
 
         Our own results can be complete while our last averaged parts are still on their way to a member (in
         p2pd's buffers, behind a slow reader); stopping the networking then would cut them off, and that member's
@@ -898,10 +901,13 @@ class Node:
         self.status.state = "leaving"
         self.publish_record()
         round_ = self.status.round
+        awaited = RoundMembers(
+            members, round_, absent_grace=ABSENT_GRACE_HEARTBEATS * self.cfg.swarm.heartbeat_s
+        )
         behind = records.wait_for_nodes(
             self.dht,
             self.opts.run_id,
-            lambda nodes: still_in_round(nodes, members, round_),
+            lambda nodes, leaving: awaited.pending(nodes, leaving, time.monotonic()),
             timeout=self.cfg.swarm.averaging_timeout,
             num_shards=self.cfg.swarm.num_shards,
             stop=self.stop_event,

@@ -193,18 +193,27 @@ def no_shows(
     return counts
 
 
-def still_in_round(nodes: Mapping[str, Holder], members: Iterable[str], round_: int) -> set[str]:
-    """Of the other members of a node's last round, those whose records say they have not ended it (their round is
-    below `round_`). A member with no record, or leaving, has ended it or is gone.
+class RoundMembers:
+    """The other members of a node's last round, as a node that leaves after it waits for them to end it
+    (`Node.await_round_members`): the last messages of an all-reduce can still be on their way to a member when the
+    node's own results are complete, and a node that stopped its networking then cut them off ("sent 10 parts, but
+    we expected 11").
 
-    A node that leaves after its last round waits for them (`Node.await_round_members`): the last messages of an
-    all-reduce can still be on their way to a member when the node's own results are complete, and a node that
-    stopped its networking then cut them off ("sent 10 parts, but we expected 11")."""
-    return {
-        peer
-        for peer in members
-        if peer in nodes and nodes[peer].state != "leaving" and nodes[peer].round < round_
-    }
+    A member has ended the round when its record's round is at least ours, or its record says it is leaving. A
+    member with no live record has not heartbeated for a while: a loaded machine stalls that long (a CI run lost
+    the last parts to a node that took the expired record for a departure), a crashed node never comes back; it is
+    waited for until it has been missing `absent_grace` seconds in a row."""
+
+    def __init__(self, members: Iterable[str], round_: int, absent_grace: float):
+        self.members, self.round, self.absent_grace = set(members), round_, absent_grace
+        self._missing_since: dict[str, float] = {}
+
+    def pending(self, nodes: Mapping[str, Holder], leaving: Collection[str], now: float) -> set[str]:
+        """The members still awaited, from a read of the records at `now` (a monotonic clock)."""
+        behind = {peer for peer in self.members if peer in nodes and nodes[peer].round < self.round}
+        missing = {peer for peer in self.members if peer not in nodes and peer not in leaving}
+        self._missing_since = {peer: self._missing_since.get(peer, now) for peer in missing}
+        return behind | {peer for peer in missing if now - self._missing_since[peer] < self.absent_grace}
 
 
 def excused_peers(counts: Mapping[str, int]) -> set[str]:

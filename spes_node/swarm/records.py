@@ -464,12 +464,15 @@ def fetch_nodes(
     num_shards: int | None = None,
     problems: list[str] | None = None,
     stop: threading.Event | None = None,
+    leaving: set[str] | None = None,
 ) -> dict[str, NodeInfo]:
     """Live, valid node records of the swarm by peer id (leaving nodes and bad records left out).
 
     With ``num_shards``, records naming a shard outside the swarm are bad records. If several
     records claim one peer id, the most recent heartbeat wins. ``problems`` collects a line for
-    every bad record and failed read; ``stop``: give up on the read once it is set.
+    every bad record and failed read; ``stop``: give up on the read once it is set; ``leaving``
+    collects the peer ids whose record says they are leaving (a node whose record expired is in
+    neither: it stopped heartbeating, stalled or gone).
     """
     nodes: dict[str, NodeInfo] = {}
     now = get_dht_time()
@@ -487,7 +490,11 @@ def fetch_nodes(
         except ValueError as e:
             _warn_bad_record("node", run_id, subkey, entry.value, e, problems)
             continue
-        if entry.expiration_time < now or record.state == NodeRecord.LEAVING:
+        if entry.expiration_time < now:
+            continue
+        if record.state == NodeRecord.LEAVING:
+            if leaving is not None:
+                leaving.add(record.peer_id)
             continue
         known = nodes.get(record.peer_id)
         if known is None or record.updated_at > known.updated_at:
@@ -498,22 +505,24 @@ def fetch_nodes(
 def wait_for_nodes(
     dht: DHT,
     run_id: str,
-    pending: Callable[[dict[str, NodeInfo]], Collection[str]],
+    pending: Callable[[dict[str, NodeInfo], set[str]], Collection[str]],
     timeout: float,
     num_shards: int | None = None,
     stop: threading.Event | None = None,
     poll_s: float = 0.5,
 ) -> Collection[str] | None:
-    """Read the node records every `poll_s` until `pending(nodes)` (the peers still awaited) is empty, for at most
-    `timeout` seconds or until `stop` is set. Returns what was still pending at the last read that did not fail
-    (empty: none), or None if every read failed; a failed read (a timeout, a stop) never ends the wait early."""
+    """Read the node records every `poll_s` until `pending(nodes, leaving)` (the peers still awaited, from the live
+    records and the ids of leaving nodes) is empty, for at most `timeout` seconds or until `stop` is set. Returns
+    what was still pending at the last read that did not fail (empty: none), or None if every read failed; a failed
+    read (a timeout, a stop) never ends the wait early."""
     deadline = time.monotonic() + timeout
     waiting: Collection[str] | None = None
     while stop is None or not stop.is_set():
         problems: list[str] = []
-        nodes = fetch_nodes(dht, run_id, num_shards, problems, stop)
+        leaving: set[str] = set()
+        nodes = fetch_nodes(dht, run_id, num_shards, problems, stop, leaving)
         if not any(isinstance(problem, ReadFailed) for problem in problems):
-            waiting = pending(nodes)
+            waiting = pending(nodes, leaving)
             if not waiting:
                 break
         if time.monotonic() >= deadline:
