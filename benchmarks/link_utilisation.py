@@ -185,14 +185,20 @@ def run_rounds(workdir: Path, settings: dict) -> dict:
     return {"by_rate": by_rate, "config": cfg.to_dict()}
 
 
-def run(workdir: Path, settings: dict | None = None, rounds: bool = True, write_latest: bool = False) -> dict:
+def run(
+    workdir: Path,
+    settings: dict | None = None,
+    rounds: bool = True,
+    write_latest: bool = False,
+    result_name: str = "link_utilisation",
+) -> dict:
     settings = {**SETTINGS, **(settings or {})}
     try:
         check_available()
     except NetnsUnavailable as e:
         results = {"link_utilisation": None, "reason": f"network namespaces unavailable: {e}"}
         emit(f"link utilisation: not measured ({results['reason']})")
-        write_result("link_utilisation", settings, results, {})
+        write_result(result_name, settings, results, {})
         return results
     with LoadMonitor() as load:
         by_rate = run_allreduce(workdir, settings, settings["peers"], settings["rates_mbit"])
@@ -215,7 +221,7 @@ def run(workdir: Path, settings: dict | None = None, rounds: bool = True, write_
         if round_results is not None
         else "not run (python -m benchmarks.link_utilisation --rounds runs it)",
     }
-    write_result("link_utilisation", settings, results, load.summary())
+    write_result(result_name, settings, results, load.summary())
     if write_latest:
         update_latest(results)
     return results
@@ -241,7 +247,9 @@ def main() -> None:
     parser.add_argument("--peers", type=int)
     parser.add_argument("--steps", type=int)
     parser.add_argument("--part-size", type=int, help="all-reduce part size in bytes (default: hivemind's)")
+    parser.add_argument("--values", type=int, help="values per all-reduce at every rate (default: by rate)")
     parser.add_argument("--no-latest", action="store_true", help="leave latest.json alone")
+    parser.add_argument("--result", default="link_utilisation", help="name of the result file in results/")
     args = parser.parse_args()
     settings = {}
     if args.rates:
@@ -252,8 +260,18 @@ def main() -> None:
         settings["steps"] = args.steps
     if args.part_size:
         settings["part_size_bytes"] = args.part_size
+    if args.values:
+        settings["params_by_rate"] = {
+            str(rate): args.values for rate in SETTINGS["rates_mbit"] + (args.rates or [])
+        }
     started = time.time()
-    run(Path(args.workdir), settings, rounds=args.rounds, write_latest=not args.no_latest)
+    run(
+        Path(args.workdir),
+        settings,
+        rounds=args.rounds,
+        write_latest=not args.no_latest,
+        result_name=args.result,
+    )
     emit(f"link-utilisation benchmark took {time.time() - started:.0f}s")
 
 
