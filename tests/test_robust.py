@@ -64,6 +64,18 @@ def test_an_honest_update_trained_longer_than_ours_is_not_rejected_but_a_liars_s
     liar = robust_mean([ours, 100 * ours], [weights[0], 1e9], ours.shape, own=0, policy=scaled)
     assert liar.rejected.keys() == {1}
     assert check_result(200 * ours, ours, scaled) is not None
+    # a joiner trains only the rest of its first round: 1 step against a peer's whole round of 100 (past warmup,
+    # steps of equal size): its update counts as if scaled up to a full round, by its own tokens, not the peer's
+    h = 100
+    full_round = RobustPolicy(max_weight=h * tokens_per_step, max_work_ratio=MAX_WORK_RATIO)
+    step = 0.01 * (direction + torch.randn(4096, generator=g))
+    joiner, whole = step, sum(0.01 * (direction + torch.randn(4096, generator=g)) for _ in range(h))
+    weights = [tokens_per_step, h * tokens_per_step]
+    claims_only = RobustPolicy(max_work_ratio=MAX_WORK_RATIO)  # no full round known: the claim's factor, capped
+    assert robust_mean([joiner, whole], weights, step.shape, own=0, policy=claims_only).rejected.keys() == {1}
+    joined = robust_mean([joiner, whole], weights, step.shape, own=0, policy=full_round)
+    assert joined.rejected == {}
+    assert check_result(joined.result - joiner, joiner, full_round, own_weight=weights[0]) is None
     # weights mode keeps the plain bound whatever the claim
     assert robust_mean([ours, longer], [1.0, 1e9], ours.shape, own=0, policy=plain).rejected.keys() == {1}
 

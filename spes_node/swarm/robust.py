@@ -55,11 +55,12 @@ the residual to the input (`GroupAverager.step`). Then, with steady weights, the
 from the sum of the exact averages by exactly the group's mean residual, one round's rounding
 (tests/test_averaging_updates.py). Our own part is never compressed on the way in. An all-reduce that fails
 after chunks went out loses their previous residual (at most one round's rounding once). Updates are checked by
-the same distance bound as weights, relative to our own update's norm, raised by the work a sender claims: an
-honest update grows with the tokens trained for it, and members do not train equal amounts per round (a fast
-node trains on while it waits for a slower one, a joiner starts mid-round), so a sender that claims k times our
-tokens may lie min(k, `max_work_ratio`) times farther (`RobustPolicy.max_work_ratio`; with a bound of 4 alone,
-an honest member that trained 20 steps was banned by one that trained 6).
+the same distance bound as weights, relative to our own update's norm, raised by work: an honest update grows with
+the tokens trained for it, and members do not train equal amounts per round (a fast node trains on while it
+waits for a slower one, a joiner trains only the rest of its first round). Our own update counts as if scaled
+up to a full round (`own_scale`: our tokens alone decide it), and a sender that claims k times a full round (or
+our tokens, if more) may lie min(k, `max_work_ratio`) times farther (`RobustPolicy.max_work_ratio`). With the
+bound of 4 alone, an honest member that trained 20 steps was banned by one that trained 6.
 
 **Bytes.** `RobustAllReduceRunner` counts the serialized messages of the all-reduce (protobuf size, tensor
 buffer plus a few bytes of header per chunk) in both roles: as a sender (our parts out, results in, through a
@@ -217,27 +218,43 @@ def robust_mean(
     return Aggregate(result.reshape(shape), rejected, own_share)
 
 
+def own_scale(own_weight: float, policy: RobustPolicy) -> float:
+    """Updates: how many times a full round's tokens (`max_weight`) our own weight is short of, at least 1. A
+    joiner's first update covers the rest of a round only; its reference norm is scaled up as if it had trained the
+    whole round. Our weight alone decides it: no peer's claim moves it."""
+    if policy.max_work_ratio <= 1.0 or not math.isfinite(policy.max_weight):
+        return 1.0
+    return max(1.0, policy.max_weight / max(own_weight, 1.0))
+
+
 def _work_ratio(
     weights: Sequence[float], valid: Sequence[int], i: int, own: int | None, policy: RobustPolicy
 ) -> float:
-    """How many times farther than the plain limit sender `i`'s part may lie: its claimed weight over ours (the
-    group's lower-median weight without ours), between 1 and `policy.max_work_ratio`."""
+    """How many times farther than the plain limit sender `i`'s part may lie: our update scaled to a full round
+    (`own_scale`), times the work the sender claims beyond that (over ours, or a full round's if more), between 1
+    and `policy.max_work_ratio`. Without our part, the group's lower-median weight stands for ours."""
     if policy.max_work_ratio <= 1.0:
         return 1.0
     base = float(weights[own]) if own in valid else _lower_median([float(weights[j]) for j in valid])
-    if base <= 0:
+    full = max(base, policy.max_weight) if math.isfinite(policy.max_weight) else base
+    if full <= 0:
         return policy.max_work_ratio
-    return min(max(float(weights[i]) / base, 1.0), policy.max_work_ratio)
+    claimed = min(max(float(weights[i]) / full, 1.0), policy.max_work_ratio)
+    return own_scale(base, policy) * claimed
 
 
-def check_result(delta: Any, local: torch.Tensor, policy: RobustPolicy = RobustPolicy()) -> str | None:
-    """Why a reducer's result (a delta for our part `local`) cannot be used, or None."""
+def check_result(
+    delta: Any, local: torch.Tensor, policy: RobustPolicy = RobustPolicy(), own_weight: float | None = None
+) -> str | None:
+    """Why a reducer's result (a delta for our part `local`) cannot be used, or None. Updates: the bound grows by
+    `max_work_ratio`, and by `own_scale` of our weight when it is given."""
     reason = check_part(delta, local.shape)
     if reason is not None:
         return reason
-    bound = (
-        2 * policy.max_distance_ratio * max(policy.max_work_ratio, 1.0) * float(local.float().norm()) + _TINY
+    scale = max(policy.max_work_ratio, 1.0) * (
+        own_scale(own_weight, policy) if own_weight is not None else 1.0
     )
+    bound = 2 * policy.max_distance_ratio * scale * float(local.float().norm()) + _TINY
     moved = float(delta.float().norm())
     if not moved <= bound:
         return f"its result moves our part by {moved:.3g}, more than {bound:.3g}"
@@ -355,10 +372,13 @@ class CheckedPartContainer(TensorPartContainer):
         policy: RobustPolicy,
         on_bad_result: Callable[[int, str], None],
         residual: Sequence[torch.Tensor] | None = None,
+        own_weight: float | None = None,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
         self.local_index, self.policy, self.on_bad_result = local_index, policy, on_bad_result
+        self.own_weight = own_weight
+        """Our weight in the all-reduce (tokens trained): bounds results in update averaging (`check_result`)."""
         self.failed_reducers: set[int] = set()
         """Peers (indices) whose parts we kept at our local values because they did not reduce them."""
         self.residual_parts_by_peer = self._residual_views(residual) if residual is not None else None
@@ -430,7 +450,7 @@ class CheckedPartContainer(TensorPartContainer):
         if peer_index != self.local_index and part_index < len(inputs):
             local = inputs[part_index][0]
             delta = part if self.return_deltas or check_part(part, local.shape) else part - local
-            reason = check_result(delta, local, self.policy)
+            reason = check_result(delta, local, self.policy, self.own_weight)
             if reason is not None:
                 self.on_bad_result(peer_index, reason)
                 raise AllreduceException(f"rejected a result of peer #{peer_index}: {reason}")
@@ -483,6 +503,7 @@ class RobustAllReduceRunner(AllReduceRunner):
             policy=policy,
             on_bad_result=self._reject_reducer,
             residual=residual,
+            own_weight=self.weight,
             **container_kwargs,
         )
         self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(index)
