@@ -31,12 +31,19 @@ import hivemind
 import torch
 
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
+NAME_CHARS = 15
+"""The kernel keeps a process name (comm) of at most 15 bytes."""
 
 
-def bind_to_parent() -> None:
-    """Call first thing in a child process: it exits, with its own children, when its parent process dies."""
+def bind_to_parent(name: str | None = None) -> None:
+    """Call first thing in a child process: it exits, with its own children, when its parent process dies. `name`
+    (at most 15 bytes kept) is what `top`, `ps -o comm` and the OOM killer's log call it: hivemind's helpers are
+    forks of the daemon, otherwise all called "python"."""
     if not sys.platform.startswith("linux"):
         return
+    if name:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:NAME_CHARS])
     os.setpgid(0, 0)  # our own process group, which p2pd inherits: group signals for the node pass us by
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: exit_with_children())
@@ -142,5 +149,5 @@ class NodeDHT(hivemind.DHT):
     """`hivemind.DHT` whose process (and its p2pd) dies with the process that started it."""
 
     def run(self) -> None:
-        bind_to_parent()
+        bind_to_parent("spes-dht")
         super().run()

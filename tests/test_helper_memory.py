@@ -12,7 +12,7 @@ import hivemind
 import pytest
 import torch
 
-from spes_node.procs import release_inherited_tensors
+from spes_node.procs import NodeDHT, release_inherited_tensors
 from spes_node.swarm.robust import RobustAverager
 
 BIG = 384 << 20
@@ -71,6 +71,19 @@ def test_an_averager_process_gives_back_the_nodes_tensors_it_inherited():
         grown = private_bytes(averager.pid) - before
         assert grown < BIG // 4, f"the averager came to hold {grown >> 20} MiB more of its own"
         assert torch.equal(weights, torch.full_like(weights, 2.0))
+    finally:
+        averager.shutdown()
+        dht.shutdown()
+
+
+def test_helper_processes_are_named_for_what_they_do():
+    """hivemind's helpers are forks of the daemon, all "python" to `top`, `ps` and the OOM killer's log: they name
+    themselves (the DHT, and each averager by its group)."""
+    dht = NodeDHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    averager = RobustAverager([torch.zeros(16)], dht, prefix="run_0123abcd_shard12", min_matchmaking_time=1.0)
+    try:
+        names = {Path(f"/proc/{p.pid}/comm").read_text().strip() for p in (dht, averager)}
+        assert names == {"spes-dht", "spes-shard12"}
     finally:
         averager.shutdown()
         dht.shutdown()

@@ -71,7 +71,9 @@ def test_an_honest_update_trained_longer_than_ours_is_not_rejected_but_a_liars_s
     step = 0.01 * (direction + torch.randn(4096, generator=g))
     joiner, whole = step, sum(0.01 * (direction + torch.randn(4096, generator=g)) for _ in range(h))
     weights = [tokens_per_step, h * tokens_per_step]
-    claims_only = RobustPolicy(max_work_ratio=MAX_WORK_RATIO)  # no full round known: the claim's factor, capped
+    claims_only = RobustPolicy(
+        max_work_ratio=MAX_WORK_RATIO
+    )  # no full round known: the claim's factor, capped
     assert robust_mean([joiner, whole], weights, step.shape, own=0, policy=claims_only).rejected.keys() == {1}
     joined = robust_mean([joiner, whole], weights, step.shape, own=0, policy=full_round)
     assert joined.rejected == {}

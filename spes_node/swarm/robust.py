@@ -704,7 +704,8 @@ class RobustAverager(DecentralizedAverager):
     """
 
     def run(self) -> None:
-        bind_to_parent()  # the averager process dies with the node's process, even when that one is SIGKILLed
+        # the averager process dies with the node's process, even when that one is SIGKILLed; named by its group
+        bind_to_parent(f"spes-{self.prefix.rsplit('_', 1)[-1]}")
         released = release_inherited_tensors(keep=[*self._averaged_tensors, *(self.residual or ())])
         logger.debug(f"averager {self.prefix}: gave back {released / 2**20:.0f} MiB of inherited tensors")
         # hivemind builds its matchmaking from this module-level name; in this (child) process, ours
