@@ -66,7 +66,13 @@ def rehearsal_config(settings: dict):
             "checkpoint_every_minutes": 0,
             "log_every": 1,
         },
-        swarm={"sync_steps": settings["sync_steps"], "replication_target": 1, "matchmaking_time": 5.0},
+        # with --same-shard every node stays a replica of shard 0: at a replication target of 1, placement moves
+        # one of two nodes to an uncovered shard after the first round (a shard move, not replicas, is then measured)
+        swarm={
+            "sync_steps": settings["sync_steps"],
+            "replication_target": settings["nodes"] if settings.get("same_shard") else 1,
+            "matchmaking_time": 5.0,
+        },
         data={"tokenizer": "bytes", "source": "default"},
     )
 
