@@ -180,7 +180,11 @@ def test_a_wait_on_records_ends_once_the_awaited_peers_records_say_so(peers, run
     def pending(nodes, leaving):
         # what a node leaving after round 3 waits for: its members' records at round 3, or leaving
         assert not leaving or leaving == {c.peer_id}, leaving
-        waiting = {peer for peer in (b.peer_id, c.peer_id) if peer not in leaving and nodes[peer].round < 3}
+        waiting = {
+            peer
+            for peer in (b.peer_id, c.peer_id)
+            if peer not in leaving and (peer not in nodes or nodes[peer].round < 3)
+        }
         if waiting == {b.peer_id, c.peer_id}:
             behind_seen.set()
         return waiting
