@@ -568,7 +568,10 @@ class RobustAllReduceRunner(AllReduceRunner):
         try:
             async for message in super().rpc_aggregate_part(self.counted(stream, received=True), context):
                 self.bytes_sent += message.ByteSize()
-                averaged += message.code == averaging_pb2.AVERAGED_PART
+                if message.code == averaging_pb2.AVERAGED_PART:
+                    averaged += 1
+                else:  # a refusal (a stale group, a cancelled step) or an error, told to the sender as such
+                    ended = f"answered {averaging_pb2.MessageCode.Name(message.code)}"
                 yield message
         except BaseException as e:
             ended = type(e).__name__
