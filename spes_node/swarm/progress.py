@@ -200,9 +200,9 @@ class RoundMembers:
     we expected 11").
 
     A member has ended the round when its record's round is at least ours, or its record says it is leaving. A
-    member with no live record has not heartbeated for a while: a loaded machine stalls that long (a CI run lost
-    the last parts to a node that took the expired record for a departure), a crashed node never comes back; it is
-    waited for until it has been missing `absent_grace` seconds in a row."""
+    member with no live record has not heartbeated for a while: a node on a loaded machine stalls that long (taking
+    its expired record for a departure is the likely cause of a CI run's lost last parts), a crashed node never
+    comes back; it is waited for until it has been missing `absent_grace` seconds in a row."""
 
     def __init__(self, members: Iterable[str], round_: int, absent_grace: float):
         self.members, self.round, self.absent_grace = set(members), round_, absent_grace
