@@ -122,11 +122,12 @@ class StepHandle(NamedTuple):
 
 STEP_GRACE_SECONDS = 30.0
 MAX_WORK_RATIO = 16.0
-"""Updates mode: how much more work (tokens trained since the sync) than a full round or ours a sender's claim
-can widen its distance limit by (`RobustPolicy.max_work_ratio`; our own update is also scaled up to a full round). Honest members differ by several times: one trains on while it
-waits for a slower peer, a joiner trains only the rest of its first round; with the plain limit of 4 times our
-update's norm, an honest node that trained 20 steps was banned by one that trained 6. A liar gains at most this
-factor on the bound, and its weight in the average is still capped at one round's tokens."""
+"""Updates mode: how much a sender's claimed work (tokens trained since the sync) beyond a full round, or beyond
+ours if more, can widen its distance limit (`RobustPolicy.max_work_ratio`; our own update is also scaled up to a
+full round). Honest members differ by several times: one trains on while it waits for a slower peer, a joiner
+trains only the rest of its first round; with the plain limit of 4 times our update's norm, an honest node that
+trained 20 steps was banned by one that trained 6. A liar gains at most this factor on the bound, and its weight
+in the average is still capped at one round's tokens."""
 
 
 class GroupAverager:

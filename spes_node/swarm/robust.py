@@ -123,9 +123,9 @@ class RobustPolicy:
     max_weight: float = math.inf
     """No sender's weight counts for more than this (what the config lets a node train in one round)."""
     max_work_ratio: float = 1.0
-    """Updates: a sender claiming k > 1 times our weight (tokens trained) has its distance limit raised min(k, this)
-    times, and a reducer's result may move our part this many times the plain bound. 1: no raise (weights, whose
-    size does not grow with training)."""
+    """Updates: a sender claiming k > 1 times the work (tokens trained) of a full round, or of ours if more, has its
+    distance limit raised min(k, this) times, and a reducer's result may move our part this many times the plain
+    bound (both also scaled by `own_scale`). 1: no raise (weights, whose size does not grow with training)."""
 
 
 @dataclass
@@ -193,7 +193,7 @@ def robust_mean(
     distances = [0.0 if d is None else float(d.norm()) for d in diffs]
     reference = max(float(center.norm()), _lower_median([float(x.norm()) for x in xs]))
     limit = policy.max_distance_ratio * reference + _TINY
-    limits = [limit * _work_ratio(weights, valid, i, own, policy) for i in valid]
+    limits = [limit * ratio for ratio in _work_ratios(weights, valid, own, policy)]
     keep = [k for k, i in enumerate(valid) if i == own or distances[k] <= limits[k]]
     for k, i in enumerate(valid):
         if k not in keep:
@@ -227,20 +227,20 @@ def own_scale(own_weight: float, policy: RobustPolicy) -> float:
     return max(1.0, policy.max_weight / max(own_weight, 1.0))
 
 
-def _work_ratio(
-    weights: Sequence[float], valid: Sequence[int], i: int, own: int | None, policy: RobustPolicy
-) -> float:
-    """How many times farther than the plain limit sender `i`'s part may lie: our update scaled to a full round
-    (`own_scale`), times the work the sender claims beyond that (over ours, or a full round's if more), between 1
-    and `policy.max_work_ratio`. Without our part, the group's lower-median weight stands for ours."""
+def _work_ratios(
+    weights: Sequence[float], valid: Sequence[int], own: int | None, policy: RobustPolicy
+) -> list[float]:
+    """For each valid sender, how many times farther than the plain limit its part may lie: our update scaled to a
+    full round (`own_scale`), times the work the sender claims beyond that (over ours, or a full round's if more),
+    between 1 and `policy.max_work_ratio`. Without our part, the group's lower-median weight stands for ours."""
     if policy.max_work_ratio <= 1.0:
-        return 1.0
+        return [1.0] * len(valid)
     base = float(weights[own]) if own in valid else _lower_median([float(weights[j]) for j in valid])
     full = max(base, policy.max_weight) if math.isfinite(policy.max_weight) else base
     if full <= 0:
-        return policy.max_work_ratio
-    claimed = min(max(float(weights[i]) / full, 1.0), policy.max_work_ratio)
-    return own_scale(base, policy) * claimed
+        return [policy.max_work_ratio] * len(valid)
+    scale = own_scale(base, policy)
+    return [scale * min(max(float(weights[i]) / full, 1.0), policy.max_work_ratio) for i in valid]
 
 
 def check_result(
@@ -583,14 +583,7 @@ class RobustAllReduceRunner(AllReduceRunner):
             expected = self.tensor_part_reducer.num_parts
             if 0 < expected != averaged:
                 # the sender reports only "sent k parts, but we expected n": say here why we stopped
-                index = (
-                    self.sender_peer_ids.index(context.remote_id)
-                    if context.remote_id in self.sender_peer_ids
-                    else None
-                )
-                banned = index is not None and self.tensor_part_reducer.sender_failed_after[index] != float(
-                    "inf"
-                )
+                banned = context.remote_id in self.banned_senders
                 logger.warning(
                     f"sent {context.remote_id} {averaged} of {expected} averaged parts: "
                     + ("it was banned from this all-reduce" if banned else ended)
