@@ -23,10 +23,11 @@ def run_group(
     expected: list[list[str]],
     extra: float = 0.0,
     late: float | None = None,
+    clients: tuple[int, ...] = (),
 ):
     """`members` averagers step, each telling its averager whom to expect and waiting `extra` seconds past the
-    window for them; with `late`, the last one steps only once the others have been looking for that long.
-    Returns their results."""
+    window for them; with `late`, the last one steps only once the others have been looking for that long; the
+    members numbered in `clients` run in client mode. Returns their results."""
     group = [
         GroupAverager(
             dht,
@@ -35,9 +36,9 @@ def run_group(
             compression="fp16",
             matchmaking_time=window,
             allreduce_timeout=60.0,
-            client_mode=False,
+            client_mode=i in clients,
         )
-        for dht in dhts[:members]
+        for i, dht in enumerate(dhts[:members])
     ]
 
     def step(i: int):
@@ -48,7 +49,7 @@ def run_group(
         handles = [step(i) for i in range(members - (late is not None))]
         if late is not None:
             while time.perf_counter() - handles[0].started < late:
-                assert not any(h.control.done() for h in handles), "the group began before the late peer came"
+                assert not any(h.control.done() for h in handles), "a step ended before the late peer came"
                 time.sleep(0.1)
             handles.append(step(members - 1))
         return [averager.finish(handle) for averager, handle in zip(group, handles)]
@@ -68,6 +69,23 @@ def test_a_group_begins_once_every_expected_peer_has_joined(dhts):
         assert result.group_size == 3 and averaged is not None and not result.error, result
         assert result.seconds < window, result
         assert torch.allclose(averaged["w"], outcomes[0][1]["w"], atol=1e-2) and 1 < averaged["w"].mean() < 3
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(600)
+def test_a_client_joins_a_leader_whose_group_begins_past_two_windows_of_its_search(dhts):
+    # a client is found by no one: it joins a leader that has declared itself, and a leader refuses a follower whose
+    # search ends before the leader's group begins (a window after the leader came). This client reaches the sync
+    # alone; the leader (expecting it) comes one and a half windows later, so its group begins past two windows of
+    # the client's search: the client still joins it
+    window = 5.0
+    ids = [dht.peer_id.to_base58() for dht in dhts]
+    outcomes = run_group(
+        dhts, "test_mm_client", 2, window, [[ids[1]], [ids[0]]], late=1.5 * window, clients=(0,)
+    )
+    for result, averaged in outcomes:
+        assert result.group_size == 2 and averaged is not None and not result.error, result
+        assert torch.allclose(averaged["w"], torch.full((1000,), 1.5), atol=1e-2)
 
 
 @pytest.mark.swarm

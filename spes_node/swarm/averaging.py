@@ -162,6 +162,7 @@ class GroupAverager:
         self.compression_name = compression
         self.numel = sum(t.numel() for t in tensors.values())
         self.matchmaking_time, self.allreduce_timeout = matchmaking_time, allreduce_timeout
+        self.client_mode = client_mode
         self.step_grace = step_grace
         self.averager = RobustAverager(
             [t.detach().float().cpu().clone() for t in tensors.values()],
@@ -210,7 +211,8 @@ class GroupAverager:
         A group we lead begins as soon as every `expected` peer (base58) has joined, or else at the end of its
         window: the matchmaking time plus `wait_extra` seconds for peers expected soon (the round bounds it, and
         stops waiting for a peer that did not come when it was waited for: `progress.no_shows`). Alone, we keep
-        looking for up to twice the matchmaking time plus `wait_extra`. The all-reduce then has its own timeout."""
+        looking for two matchmaking times plus `wait_extra`, three in client mode (`search_seconds`). The all-reduce
+        then has its own timeout."""
         if (anchor is not None) != (self.average == "updates"):
             raise ValueError(f"{self.prefix}: an anchor is needed to average updates, and only then")
         residual = self.averager.residual
@@ -225,7 +227,7 @@ class GroupAverager:
         self.averager.set_peers(self.bans.active(), expected)
         start = time.perf_counter()
         wait_extra = max(0.0, wait_extra)
-        matchmaking = self.matchmaking_time * 2 + wait_extra
+        matchmaking = self.search_seconds(wait_extra)
         # hivemind's leader begins at its declared time, the scheduled one (unscheduled: the matchmaking time after
         # the step, when a leader with one follower began without the peers that the round was waiting for). The
         # whole wait: a window stretched by one matchmaking time at most let a node further out of step (a joiner
@@ -241,6 +243,17 @@ class GroupAverager:
         # hivemind may start a last matchmaking attempt just before its deadline, then the all-reduce
         deadline = start + 2 * matchmaking + self.allreduce_timeout + self.step_grace
         return StepHandle(control, start, deadline)
+
+    def search_seconds(self, wait_extra: float = 0.0) -> float:
+        """How long a step looks for a group: two matchmaking windows plus `wait_extra`, and one window more in
+        client mode.
+
+        A client is found by no one: it joins a leader that has declared itself, and hivemind's leader refuses a
+        follower whose search ends before the leader's group begins (a window after the leader came). With two
+        windows, a client could join only leaders that came in the first window of its search; one that reached the
+        sync two seconds before both servers (a loaded machine, matchmaking windows of 2 s) was refused by both, and
+        averaged alone while they averaged together. With three, leaders that come in its first two windows."""
+        return self.matchmaking_time * (3 if self.client_mode else 2) + max(0.0, wait_extra)
 
     def finish(self, handle: StepHandle) -> tuple[GroupResult, dict[str, torch.Tensor] | None]:
         """Wait for the step, until its deadline at most; returns the averaged tensors (with updates: the averaged
