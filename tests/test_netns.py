@@ -158,7 +158,7 @@ def test_client_without_inbound_connectivity_trains_and_averages(network, net_sw
     swarm.start("s0", "--shard", "0", "--wait-peers", "3", host=servers["s0"])
     swarm.start("s1", "--shard", "1", "--wait-peers", "3", host=servers["s1"])
     swarm.start(
-        "client", "--shard", "0", "--wait-peers", "3", "--client-mode", "--max-rounds", "2", host=client
+        "client", "--shard", "0", "--wait-peers", "3", "--client-mode", "--max-rounds", "3", host=client
     )
     # the client's record can come before a loaded server's: it needs only the bootstrap peer
     swarm.wait_for(
@@ -176,9 +176,10 @@ def test_client_without_inbound_connectivity_trains_and_averages(network, net_sw
 
     assert swarm.wait_exit("client", 300) == 0, swarm.log("client")[-3000:]
     summary = swarm.summary("client")
-    assert summary["rounds_done"] == 2
-    # it averaged as a client with both servers (shared) and with its shard's replica; on a loaded machine one of
-    # its two rounds may miss the window, so any round counts
+    assert summary["rounds_done"] == 3
+    # it averaged as a client with both servers (shared) and with its shard's replica. On a loaded machine a round
+    # may miss a group (hivemind's leader can begin its all-reduce just as a follower's search ends: the follower
+    # averages alone, the leader without its part), so any of the three rounds counts
     rounds = [
         {
             k: r[k]

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from spes_node.swarm.progress import (
     NO_SHOW_LIMIT,
+    RecentPeers,
     RoundMembers,
     another_step_fits,
     consensus_round,
@@ -217,3 +218,22 @@ def test_a_member_whose_record_expired_is_waited_for_until_it_has_been_missing_t
     assert members.pending({}, set(), now=110.0) == {"stalled"}  # crashed: missing 10 s
     assert members.pending({}, set(), now=119.0) == {"stalled"}  # missing again since 110
     assert members.pending({"stalled": Rec(round=3)}, set(), now=119.5) == set()
+
+
+def test_a_peer_a_read_missed_stays_expected_for_the_grace_after_the_last_read_that_saw_it():
+    """A read of the records misses a live node whose heartbeat came late (a loaded machine, an upload link full of
+    its all-reduce): the round still expects it in its groups, for `grace` seconds after the last read that saw it,
+    with its last record; a read saying it is leaving ends that at once."""
+    recent = RecentPeers(grace=10)
+    a, b, c = Rec(round=1), Rec(round=1, shards=[1]), Rec(round=1)
+    assert recent.update({"a": a, "b": b, "c": c}, set(), now=100.0) == {}
+    assert recent.update({"a": a}, set(), now=105.0) == {"b": b, "c": c}
+    # c says it is leaving; b is seen again, newer, then missed once more: its last record is the one expected
+    b2 = Rec(round=2, shards=[1])
+    assert recent.update({"a": a, "b": b2}, {"c"}, now=106.0) == {}
+    assert recent.update({"a": a}, set(), now=115.9) == {"b": b2}
+    # missing the whole grace since the last read that saw it: a departure (a crash), no longer expected
+    assert recent.update({"a": a}, set(), now=116.0) == {}
+    assert recent.update({}, set(), now=117.0) == {"a": a}
+    # a record that comes back is a live peer again, not a missed one
+    assert recent.update({"b": b2, "a": a}, set(), now=118.0) == {}

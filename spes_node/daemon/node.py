@@ -54,7 +54,7 @@ from spes_node.model.tokenizer import load_tokenizer
 from spes_node.procs import NodeDHT, kill_tree
 from spes_node.swarm import reachability, records, relay
 from spes_node.swarm.identity import load_or_create_identity
-from spes_node.swarm.progress import ROUND_SLACK, RoundMembers, consensus_round, should_catch_up
+from spes_node.swarm.progress import ROUND_SLACK, RecentPeers, RoundMembers, consensus_round, should_catch_up
 from spes_node.swarm.swarm_key import SwarmKey
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,8 @@ FINAL_WRITE_WAIT_S = 300.0
 that write is abandoned (the checkpoint before it stays) and there is no final checkpoint."""
 ABSENT_GRACE_HEARTBEATS = 10
 """A node leaving after its last round waits this many heartbeats for a member of that round whose record expired
-(a stalled node heartbeats again; a crashed one does not), within the averaging timeout."""
+(a stalled node heartbeats again; a crashed one does not), within the averaging timeout; a round keeps expecting a
+peer whose record a read missed this long after a read saw it (`RecentPeers`)."""
 NETWORK_SHUTDOWN_S = 4.0
 """Of `SHUTDOWN_S`, what is kept for stopping the DHT (and the averagers, if not stopped yet) after the record is
 withdrawn."""
@@ -380,6 +381,7 @@ class Node:
         )
         self.trainer = Trainer(cfg, self.model, self.batcher, self.device)
         self.pacer = RoundPacer(cfg.swarm.sync_steps, enabled=cfg.swarm.train_while_waiting)
+        self.recent_peers = RecentPeers(ABSENT_GRACE_HEARTBEATS * cfg.swarm.heartbeat_s)
         if checkpoint is not None:
             self._resume(checkpoint)
 
@@ -936,9 +938,11 @@ class Node:
         us in turn. The wait that is left, less than a step, is spent in matchmaking as before."""
         if not self.pacer.wants_wait():
             return False
+        leaving: set[str] = set()
         nodes = records.fetch_nodes(
-            self.dht, self.opts.run_id, self.cfg.swarm.num_shards, stop=self.stop_event
+            self.dht, self.opts.run_id, self.cfg.swarm.num_shards, stop=self.stop_event, leaving=leaving
         )
+        self.recent_peers.update(nodes, leaving, time.monotonic())
         wait = self.sync.wait_ahead(nodes, self.status.round, self.node_info())
         if not self.pacer.wait(wait):
             return False
@@ -954,8 +958,9 @@ class Node:
         self.status.state = "averaging"
         self.sync.finish_pending()
         self.publish_record()
+        leaving: set[str] = set()
         nodes = records.fetch_nodes(
-            self.dht, self.opts.run_id, self.cfg.swarm.num_shards, stop=self.stop_event
+            self.dht, self.opts.run_id, self.cfg.swarm.num_shards, stop=self.stop_event, leaving=leaving
         )
         inputs = RoundInputs(
             round=self.status.round,
@@ -963,6 +968,7 @@ class Node:
             tokens_since_sync=self.tokens_since_sync,
             loss=self.end_round_loss(),
             nodes=nodes,
+            missed=self.recent_peers.update(nodes, leaving, time.monotonic()),
             me=self.node_info(),
             data_part=self.data_part,
             steps=self.steps_into_round,

@@ -87,6 +87,8 @@ class RoundInputs:
     data_part: tuple[int, int]
     steps: int = 0
     """Local steps of the round: H, plus any trained while waiting for slower peers."""
+    missed: dict[str, records.NodeInfo] = field(default_factory=dict)
+    """Peers this read missed that were live a moment ago (`progress.RecentPeers`): still expected in the groups."""
 
 
 @dataclass
@@ -418,10 +420,12 @@ class SpesRound:
         weight = float(max(inputs.tokens_since_sync, 1))
         shared_local = shared_parameters(self.model)
         shards_local = {shard: shard_tensors(self.model, shard) for shard in self.shards}
-        others = live_peers(inputs.nodes, self.peer_id, self.bans.active())
+        others = live_peers({**inputs.missed, **inputs.nodes}, self.peer_id, self.bans.active())
         extra, etas = self._expected_wait(others, inputs.round, inputs.me)
+        missed = len(others.keys() & inputs.missed.keys())
         logger.info(
             f"round {inputs.round + 1}: looking for groups ({len(others)} live peers"
+            + (f", {missed} of them missing from this read of the records" if missed else "")
             + (f", waiting up to {extra:.1f}s more for peers about to finish" if extra > 0 else "")
             + ")"
         )

@@ -216,6 +216,33 @@ class RoundMembers:
         return behind | {peer for peer in missing if now - self._missing_since[peer] < self.absent_grace}
 
 
+class RecentPeers:
+    """Peers that a read of the node records missed although they were live a moment ago.
+
+    A record expires three heartbeats after its last store, and a live node misses that on a loaded machine or
+    behind an upload link that its own all-reduce fills (a tiny round's parts take 6 s on a 5 Mbit/s link, the test
+    swarms' records 6 s to expire). A round that took the missing record for a departure left that peer out of its
+    groups' expected members, and a leader whose expected members had all joined began without it: the peer, at the
+    sync a second later, averaged alone. Such a peer stays expected for `grace` seconds after the last read that saw
+    it (the same grace as `RoundMembers`'), unless a read says it is leaving; a peer that did crash costs its
+    groups' leaders that long in full windows, instead of an early start."""
+
+    def __init__(self, grace: float):
+        self.grace = grace
+        self._seen: dict[str, tuple[Holder, float]] = {}
+
+    def update(self, nodes: Mapping[str, Holder], leaving: Collection[str], now: float) -> dict[str, Holder]:
+        """Remember a read at `now` (a monotonic clock): its live records `nodes` and the peers whose record says
+        they are leaving. Returns the peers this read missed that a read less than `grace` seconds ago saw, with the
+        last record seen."""
+        for peer in leaving:
+            self._seen.pop(peer, None)
+        for peer, node in nodes.items():
+            self._seen[peer] = (node, now)
+        self._seen = {peer: seen for peer, seen in self._seen.items() if now - seen[1] < self.grace}
+        return {peer: node for peer, (node, _) in self._seen.items() if peer not in nodes}
+
+
 def excused_peers(counts: Mapping[str, int]) -> set[str]:
     """Peers not to wait for: waited for in vain `NO_SHOW_LIMIT` rounds in a row."""
     return {peer for peer, n in counts.items() if n >= NO_SHOW_LIMIT}
