@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -137,6 +137,10 @@ class Swarm:
 
     def log(self, name: str) -> str:
         return (self.tmp / f"{name}.log").read_text()
+
+    def warnings(self, names: Iterable[str]) -> dict[str, list[str]]:
+        """Each node's WARN lines, for an assertion's message."""
+        return {name: [line for line in self.log(name).splitlines() if " WARN" in line] for name in names}
 
     def nodes(self) -> dict[str, records.NodeInfo]:
         return records.fetch_nodes(self.bootstrap, self.run_id)

@@ -187,13 +187,9 @@ def test_client_without_inbound_connectivity_trains_and_averages(network, net_sw
         }
         for r in summary["rounds"]
     ]
-    warnings = {
-        name: [line for line in swarm.log(name).splitlines() if " WARN" in line]
-        for name in ("s0", "s1", "client")
-    }
     assert any(r["shared_group"] == 3 and r["shard_group"] == 2 for r in summary["rounds"]), (
         rounds,
-        warnings,
+        swarm.warnings(("s0", "s1", "client")),
     )
     assert summary["loss_history"][-1] < summary["first_loss"]
 

@@ -121,7 +121,7 @@ def test_rounds_begin_once_every_live_holder_is_in_not_at_the_end_of_the_window(
     for rounds in _two_holders_three_rounds(swarm, ("a", "b")).values():
         for report in rounds:
             # with an error, both nodes' warnings: a sender only learns "sent k parts, but we expected n"
-            assert report["seconds"] < window and not report["errors"], (report, _warnings(swarm, ("a", "b")))
+            assert report["seconds"] < window and not report["errors"], (report, swarm.warnings(("a", "b")))
             # where the round's time went: every phase timed, together the round
             phases = report["phases"]
             assert set(phases) == {"matchmaking", "allreduce", "after"}, report
@@ -246,10 +246,6 @@ def test_overlapping_the_shards_only_lands_the_shared_average_at_once_and_the_sh
     a, b = (swarm.checkpoint(name).tensors for name in names)
     _assert_close(_shared_tensors(a), _shared_tensors(b), "shared parameters of a vs b")
     _assert_close(_shard_tensors(a, 0), _shard_tensors(b, 0), "shard 0 at its replicas")
-
-
-def _warnings(swarm, names) -> dict[str, list[str]]:
-    return {name: [line for line in swarm.log(name).splitlines() if " WARN" in line] for name in names}
 
 
 def _two_holders_three_rounds(swarm, names) -> dict[str, list[dict]]:

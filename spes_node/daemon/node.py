@@ -938,17 +938,22 @@ class Node:
         us in turn. The wait that is left, less than a step, is spent in matchmaking as before."""
         if not self.pacer.wants_wait():
             return False
-        leaving: set[str] = set()
-        nodes = records.fetch_nodes(
-            self.dht, self.opts.run_id, self.cfg.swarm.num_shards, stop=self.stop_event, leaving=leaving
-        )
-        self.recent_peers.update(nodes, leaving, time.monotonic())
+        nodes, _ = self._read_nodes()
         wait = self.sync.wait_ahead(nodes, self.status.round, self.node_info())
         if not self.pacer.wait(wait):
             return False
         logger.info(f"round {self.status.round + 1}: peers are {wait:.1f}s from the sync: training meanwhile")
         self.publish_record()
         return True
+
+    def _read_nodes(self) -> tuple[dict[str, records.NodeInfo], dict[str, records.NodeInfo]]:
+        """Read the swarm's node records: the live ones, and the peers this read missed that a recent read saw
+        (`RecentPeers`, which every read at the sync keeps up to date)."""
+        leaving: set[str] = set()
+        nodes = records.fetch_nodes(
+            self.dht, self.opts.run_id, self.cfg.swarm.num_shards, stop=self.stop_event, leaving=leaving
+        )
+        return nodes, self.recent_peers.update(nodes, leaving, time.monotonic())
 
     def _begin_round(self, overlap: bool, overlap_shards: bool = False) -> None:
         """Announce that we average, read the swarm's records (the round's one read) and start the all-reduces.
@@ -958,17 +963,14 @@ class Node:
         self.status.state = "averaging"
         self.sync.finish_pending()
         self.publish_record()
-        leaving: set[str] = set()
-        nodes = records.fetch_nodes(
-            self.dht, self.opts.run_id, self.cfg.swarm.num_shards, stop=self.stop_event, leaving=leaving
-        )
+        nodes, missed = self._read_nodes()
         inputs = RoundInputs(
             round=self.status.round,
             step=self.trainer.step,
             tokens_since_sync=self.tokens_since_sync,
             loss=self.end_round_loss(),
             nodes=nodes,
-            missed=self.recent_peers.update(nodes, leaving, time.monotonic()),
+            missed=missed,
             me=self.node_info(),
             data_part=self.data_part,
             steps=self.steps_into_round,

@@ -253,7 +253,7 @@ class GroupAverager:
         windows, a client could join only leaders that came in the first window of its search; one that reached the
         sync two seconds before both servers (a loaded machine, matchmaking windows of 2 s) was refused by both, and
         averaged alone while they averaged together. With three, leaders that come in its first two windows."""
-        return self.matchmaking_time * (3 if self.client_mode else 2) + max(0.0, wait_extra)
+        return self.matchmaking_time * (3 if self.client_mode else 2) + wait_extra
 
     def finish(self, handle: StepHandle) -> tuple[GroupResult, dict[str, torch.Tensor] | None]:
         """Wait for the step, until its deadline at most; returns the averaged tensors (with updates: the averaged
