@@ -4,7 +4,7 @@ import torch
 
 from spes_node.daemon.anchors import apply_outer
 from spes_node.devices import HOST
-from spes_node.swarm.averaging import NesterovOuter, PlainAverage
+from spes_node.swarm.averaging import NesterovOuter, PlainAverage, shared_buffers
 
 
 def test_plain_average_replaces_weights():
@@ -110,3 +110,15 @@ def test_nesterov_state_is_an_fp32_copy_in_host_memory():
     apply_outer(outer, weights, None, {"w": torch.tensor([2.0, 2.0, 2.0], dtype=torch.float16)})
     assert outer.velocity["w"].dtype == torch.float32
     assert weights["w"].dtype == torch.bfloat16
+
+
+def test_an_averagers_buffers_are_fp32_copies_in_shared_memory():
+    weights = torch.nn.Linear(8, 4)
+    live = {"weight": weights.weight, "bias": weights.bias.detach().to(torch.bfloat16)}
+    buffers = shared_buffers(live)
+    for buffer, tensor in zip(buffers, live.values()):
+        assert buffer.is_shared() and buffer.dtype == torch.float32
+        assert torch.equal(buffer, tensor.detach().float())
+        assert buffer.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
+    buffers[0].add_(1.0)
+    assert not torch.equal(buffers[0], live["weight"].detach())

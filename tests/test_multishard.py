@@ -3,7 +3,8 @@
 Unit tests: the rebalance move leaves the shard placement names (not just the most replicated one), and the
 static memory of a node training several shards is what the memory plan says for that many. Swarm test: two
 nodes with room for two shards each train tiny's four shards, a third raises replication and averages with the
-holders, and a restarted node gets its shards back.
+holders, and a restarted node gets its shards back; two nodes started on the same shard: one moves to a shard nobody
+holds and trains it.
 """
 
 from __future__ import annotations
@@ -212,3 +213,49 @@ def _run(swarm: Swarm) -> None:
     assert f"training shards {held['a']}" in swarm.log("a")
     assert swarm.summary("a")["shards"] == held["a"]
     assert swarm.checkpoint("a").meta["shards"] == held["a"]
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(900)
+def test_a_replica_moves_to_a_shard_nobody_holds_and_trains_it(tmp_path):
+    """Two nodes started on shard 0: placement puts coverage before replication, so after a round one of them moves
+    to a shard nobody holds (`SpesRound._maybe_rebalance`), takes it from its own frozen copy, and trains it from
+    then on: its checkpoint holds the new shard's AdamW state and no other's, the new shard's weights moved away
+    from the swarm's initial ones, and the two nodes go on averaging the shared parameters."""
+    swarm = Swarm(tmp_path, run_id="move", averaging_timeout=20.0, matchmaking_time=4.0)
+    try:
+        swarm.start("a", "--shard", "0")
+        swarm.wait_for(lambda: _record(swarm, "a"), 120, "a's record")
+        swarm.start("b", "--shard", "0", "--max-rounds", "6")
+        assert swarm.wait_exit("b", 600) == 0, swarm.log("b")[-3000:]
+        swarm.procs["a"].send_signal(signal.SIGTERM)
+        assert swarm.wait_exit("a", 60) == 0, swarm.log("a")[-3000:]
+        moves = {
+            name: re.findall(r"moving from shard 0 to shard (\d+)", swarm.log(name)) for name in ("a", "b")
+        }
+        movers = [name for name, found in moves.items() if found]
+        assert len(movers) == 1 and len(moves[movers[0]]) == 1, moves
+        mover, stayer = movers[0], next(name for name in moves if name not in movers)
+        new = int(moves[mover][0])
+        assert new != 0 and f"now training shard {new} (was 0)" in swarm.log(mover)
+        summary = swarm.summary(mover)
+        assert summary["shards"] == [new], summary["shards"]
+        assert swarm.summary(stayer)["shards"] == [0]
+        rounds = summary["rounds"]
+        moved_at = next(i for i, r in enumerate(rounds) if r["shards"] == [new])  # the round it moved after
+        after = rounds[moved_at + 1 :]
+        assert after, f"{mover} ran no round after its move: {summary['rounds']}"
+        assert any(r["shared_group"] == 2 for r in after), f"no shared group after the move: {after}"
+        assert all(str(new) in r.get("shard_groups", {}) for r in after), after
+
+        cfg = swarm.cfg
+        checkpoint = swarm.checkpoint(mover)
+        assert checkpoint.meta["shards"] == [new]
+        trained = {int(n.split(".mlp.shards.")[1].split(".")[0])
+                   for n in checkpoint.optimizer["by_name"] if ".mlp.shards." in n}  # fmt: skip
+        assert trained == {new}, "AdamW state of the new shard only"
+        initial, model = _initial_model(cfg), _model_of(cfg, checkpoint)
+        for key, before in shard_tensors(initial, new).items():
+            assert (shard_tensors(model, new)[key] - before).abs().max() > 1e-3, f"{key} was not trained"
+    finally:
+        swarm.close()

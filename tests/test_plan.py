@@ -10,13 +10,11 @@ The GPU path (bf16 autocast) is measured through CPU autocast, which takes the s
 from __future__ import annotations
 
 import json
-import weakref
 
 import pytest
 import torch
 from click.testing import CliRunner
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from live_bytes import LiveBytes
 
 from spes_node.cli import main
 from spes_node.config import load_preset
@@ -320,30 +318,6 @@ def test_cli_prints_the_network_plan():
 # ---------------------------------------------------------------- measured on a CPU
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Bytes of the tensor storages created under this mode that are still alive, and their peak."""
-
-    def __init__(self, known: set[int]):
-        super().__init__()
-        self.known, self.live, self.now, self.peak = known, {}, 0, 0
-
-    def _free(self, pointer: int) -> None:
-        self.now -= self.live.pop(pointer, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor):
-                storage = tensor.untyped_storage()
-                pointer = storage.data_ptr()
-                if pointer and pointer not in self.live and pointer not in self.known:  # views are not new
-                    self.live[pointer] = storage.nbytes()
-                    self.now += storage.nbytes()
-                    self.peak = max(self.peak, self.now)
-                    weakref.finalize(storage, self._free, pointer)
-        return out
-
-
 class _Batches:
     """Random tokens; the first batch (the warm-up step) is one sequence, to keep the test fast."""
 
@@ -375,7 +349,7 @@ def _measure(cfg, compute: str) -> dict[str, int]:
     trainer.optimizer.register_step_pre_hook(grads_before_step)
     moments = [v for state in trainer.optimizer.state.values() for v in state.values() if v.ndim > 0]
     static = list(model.parameters()) + list(model.buffers()) + moments
-    live = _LiveBytes({t.untyped_storage().data_ptr() for t in static})
+    live = LiveBytes(static)
     saved: dict[int, int] = {}
     params = {p.untyped_storage().data_ptr() for p in static}
 
@@ -429,7 +403,7 @@ def test_plan_matches_a_measured_merge(name):
     model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
     apply_ownership(model, [0], cfg.swarm.frozen_dtype)
     static = list(model.parameters()) + list(model.buffers())
-    live = _LiveBytes({t.untyped_storage().data_ptr() for t in static})
+    live = LiveBytes(static)
     with live:
         merge_own_experts(model, [0], 0, cfg.swarm)  # sync step 0: alpha is alpha0
     plan = memory_plan(cfg, 1)

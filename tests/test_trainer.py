@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+from live_bytes import LiveBytes
 
 from spes_node.config import load_preset
 from spes_node.daemon.trainer import Trainer, lr_at
@@ -90,6 +91,33 @@ def test_optimizer_state_follows_ownership_changes():
         assert torch.equal(trainer.optimizer.state[p]["exp_avg"], shared_state[name])
     trainer.train_step()
     assert trainer.optimizer_element_count() == 2 * (counts["shared"] + counts["experts"] // 4)
+
+
+@pytest.mark.parametrize("frozen_dtype", ["fp32", "bf16"])
+def test_a_move_gives_up_the_old_shard_before_making_the_new_one(frozen_dtype):
+    """Moving from shard 0 to shard 1: the tensors alive at any moment of `set_ownership` never exceed those alive
+    before it. The old shard's AdamW moments go first, and its fp32 weights as it is frozen, so the new shard's fp32
+    weights take their place; while the optimiser held them until the new one was built, the move peaked at the
+    new shard's fp32 weights and the old one's frozen copy above where it started."""
+    cfg = _cfg().replace(swarm={"frozen_dtype": frozen_dtype})
+    trainer = _trainer(cfg, [0], frozen_dtype)
+    trainer.train_step()  # AdamW's moments exist
+    model = trainer.model
+    shard = sum(t.nbytes for t in shard_tensors(model, 1).values())  # fp32, every layer
+    moments = [v for state in trainer.optimizer.state.values() for v in state.values() if v.ndim > 0]
+    held = list(model.parameters()) + list(model.buffers()) + moments
+    live = LiveBytes(held, count_known=True)
+    del held, moments  # the test's own hold on them
+    with live:
+        trainer.set_ownership([1])
+    assert live.peak <= live.start, (
+        f"peak {live.peak - live.start:+d} bytes over the start (a shard: {shard})"
+    )
+    assert live.now < live.start - shard, "the old shard's moments are still held"
+    trainer.train_step()
+    assert trainer.optimizer_element_count() == 2 * sum(
+        p.numel() for p in model.parameters() if p.requires_grad
+    )
 
 
 @pytest.mark.parametrize("frozen_dtype", ["fp32", "bf16", "int8"])

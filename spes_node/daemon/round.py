@@ -63,7 +63,7 @@ from spes_node.swarm.fetch import StateFetcher
 from spes_node.swarm.progress import excused_peers, longest_wait, no_shows, peer_etas, should_catch_up
 from spes_node.swarm.reachability import DialBackServer
 from spes_node.swarm.robust import BanList
-from spes_node.swarm.snapshots import FrozenShard, SnapshotPublisher, cpu_copy
+from spes_node.swarm.snapshots import FrozenShard, SnapshotPublisher
 from spes_node.swarm.swarm_key import SwarmKey
 from spes_node.swarm.transfer import StateServer, TransferError
 
@@ -288,11 +288,9 @@ class SpesRound:
             me=self.peer_id,
         )
         self.frozen.fetcher, self.frozen.dtype = self.fetcher, dtype
-        self.shared_avg = self._averager("shared", cpu_copy(shared_parameters(self.model)))
+        self.shared_avg = self._averager("shared", shared_parameters(self.model))
         for shard in self.shards:
-            self.shard_avgs[shard] = self._averager(
-                f"shard{shard}", cpu_copy(shard_tensors(self.model, shard))
-            )
+            self.shard_avgs[shard] = self._averager(f"shard{shard}", shard_tensors(self.model, shard))
         self.reset_outer(anchor_id=initial_anchor_id(self.config_hash) if fresh else None)
         self.publish_snapshots(round_)
 
@@ -900,10 +898,11 @@ class SpesRound:
             self.set_ownership(list(shards))
         if download is not None:
             load_shard_tensors(self.model, new, download.tensors)
+            download = None  # the shard's weights are in the model now: not held beside its averager's copy
         self.frozen.held.pop(new, None)
         self.shards = shards
         self.shard_avgs.pop(old).shutdown()
-        self.shard_avgs[new] = self._averager(f"shard{new}", cpu_copy(shard_tensors(self.model, new)))
+        self.shard_avgs[new] = self._averager(f"shard{new}", shard_tensors(self.model, new))
         self.shard_outers.pop(old, None)
         self.shard_outers[new] = self._outer(shard_tensors(self.model, new))
         self._anchors.pop(f"shard{old}", None)

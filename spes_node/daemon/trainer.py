@@ -12,7 +12,7 @@ import torch
 
 from spes_node.config import SpesConfig
 from spes_node.model.moe import MoEForCausalLM
-from spes_node.model.ownership import apply_ownership
+from spes_node.model.ownership import apply_ownership, check_shards, owned_shards
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +69,25 @@ class Trainer:
         return {names[id(p)]: state for p, state in self.optimizer.state.items() if id(p) in names}
 
     def set_ownership(self, owned: list[int]) -> None:
-        """Change which shards train; optimiser state of parameters that stay trainable is kept."""
-        previous = self.optimizer_state_by_name()
+        """Change which shards train; optimiser state of parameters that stay trainable is kept.
+
+        The AdamW moments of the shards given up, and the optimiser's hold on their weights, go before the model
+        makes the new shards' fp32 weights: a move (one shard for another) otherwise held the old shard's weights
+        and moments beside the new shard's weights and its frozen copy, 1.3 GiB more than the node's own state at
+        spes-1b, on top of the download the move loads (`tests/test_trainer.py` measures it)."""
+        check_shards(self.model, owned)
+        leaving = set(owned_shards(self.model)) - set(owned)
+        given_up = {
+            id(p) for s in leaving for expert in self.model.expert_shards(s) for p in expert.parameters()
+        }
+        names = {id(p): name for name, p in self._named_trainable().items()}
+        previous = {
+            names[id(p)]: state
+            for p, state in self.optimizer.state.items()
+            if id(p) in names and id(p) not in given_up
+        }
+        self.optimizer = None
+        del names
         apply_ownership(self.model, owned, self.cfg.swarm.frozen_dtype)
         self.model.to(self.device)
         self.optimizer = self._build_optimizer(previous)

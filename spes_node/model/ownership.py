@@ -17,9 +17,7 @@ from spes_node.model.moe import MoEForCausalLM, is_expert_name
 def apply_ownership(model: MoEForCausalLM, owned: Iterable[int], frozen_dtype: str = "fp32") -> None:
     """Make the shards in `owned` trainable and freeze every other shard (stored in `frozen_dtype`)."""
     owned = set(owned)
-    unknown = owned - set(range(model.num_shards))
-    if unknown:
-        raise ValueError(f"shard: {sorted(unknown)} out of range [0, {model.num_shards})")
+    check_shards(model, owned)
     for layer in model.model.layers:
         for index, shard in enumerate(layer.mlp.shards):
             want_trainable = index in owned
@@ -27,6 +25,13 @@ def apply_ownership(model: MoEForCausalLM, owned: Iterable[int], frozen_dtype: s
                 not want_trainable and shard.frozen_dtype != frozen_dtype
             ):
                 shard.set_trainable(want_trainable, frozen_dtype)
+
+
+def check_shards(model: MoEForCausalLM, owned: Iterable[int]) -> None:
+    """ValueError unless every shard in `owned` is one of the model's."""
+    unknown = set(owned) - set(range(model.num_shards))
+    if unknown:
+        raise ValueError(f"shard: {sorted(unknown)} out of range [0, {model.num_shards})")
 
 
 def owned_shards(model: MoEForCausalLM) -> list[int]:

@@ -165,7 +165,7 @@ class GroupAverager:
         self.client_mode = client_mode
         self.step_grace = step_grace
         self.averager = RobustAverager(
-            [t.detach().float().cpu().clone() for t in tensors.values()],
+            shared_buffers(tensors),
             dht=dht,
             prefix=prefix,
             min_group_size=2,
@@ -310,6 +310,18 @@ class GroupAverager:
             self.averager.shutdown()
         except Exception as e:
             logger.debug(f"averager {self.prefix} shutdown: {e}")
+
+
+def shared_buffers(tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """fp32 copies of `tensors` in shared memory, where an averager keeps them (hivemind's averager process works on
+    the same pages), made one tensor at a time from the tensors as they are, wherever they live: a copy in host
+    memory first, then the averager's, had two copies of a group in host memory at once (1.7 GiB for a spes-1b
+    shard), at startup and at every shard move."""
+    buffers = []
+    for tensor in tensors.values():
+        buffer = torch.empty(tensor.shape, dtype=torch.float32).share_memory_()
+        buffers.append(buffer.copy_(tensor.detach()))
+    return buffers
 
 
 class OuterOptimizer:

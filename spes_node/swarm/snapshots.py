@@ -104,23 +104,27 @@ class SnapshotPublisher:
             self._publish(round_, shared, own, frozen, premerge, restart)
 
     def _publish(self, round_, shared, own, frozen, premerge, restart) -> None:
-        parts = {"shared": cpu_copy(shared, self.dtype)}
+        # each part replaces the one before it as soon as it is copied, after the parts that go are withdrawn: the
+        # old snapshot is given up part by part while the new one is made, instead of all of both at once
+        for shard, frozen_shard in frozen.items():
+            self._chains.pop(shard, None)
+            for part in ("shard", "premerge", "update"):
+                self._run(self.server.withdraw(f"{part}:{shard}"))
+            self._put(round_, f"copy:{shard}", self.frozen_part(frozen_shard))
+        self._put(round_, "shared", cpu_copy(shared, self.dtype))
         for shard, tensors in own.items():
-            parts[f"shard:{shard}"] = copied = cpu_copy(tensors, self.dtype)
             self._run(self.server.withdraw(f"copy:{shard}"))
+            copied = cpu_copy(tensors, self.dtype)
+            self._put(round_, f"shard:{shard}", copied)
             if shard in premerge:
-                parts[f"premerge:{shard}"] = copied
+                self._put(round_, f"premerge:{shard}", copied)
             else:
                 self._withdraw_stale_premerge(shard, round_)
             if self.updates:
                 self._advance_chain(shard, round_, copied, restart)
-        for shard, frozen_shard in frozen.items():
-            parts[f"copy:{shard}"] = self.frozen_part(frozen_shard)
-            self._chains.pop(shard, None)
-            for part in ("shard", "premerge", "update"):
-                self._run(self.server.withdraw(f"{part}:{shard}"))
-        for part, tensors in parts.items():
-            self._run(self.server.publish(part, Snapshot(round_, tensors)))
+
+    def _put(self, round_: int, part: str, tensors) -> None:
+        self._run(self.server.publish(part, Snapshot(round_, tensors)))
 
     def _advance_chain(self, shard: int, round_: int, served: dict[str, torch.Tensor], restart: bool) -> None:
         """On a refresh round (a multiple of `every`), encode this round's "update:<j>" (served once ready, see
