@@ -184,6 +184,8 @@ def test_weights_mode_averages_weights_as_before(dhts):
             mean = {n: sum(w[n] for w in weights) / len(weights) for n in SHAPES}
             for result, averaged in outcomes:
                 assert result.group_size == 2 and group[0].residual_bytes == 0
+                # the result is read from the averager's buffers in shared memory, not copied out of them
+                assert all(t.is_shared() for t in averaged.values())
                 error = float((flat(averaged) - flat(mean)).norm() / flat(mean).norm())
                 assert error < tolerance, (compression, error)
         finally:

@@ -26,8 +26,8 @@ Host (`rounds.py`, `averaging.py`, `transfer.py`, `checkpoint.py`, `node.py`): t
 host memory whatever the training device (`devices.HOST`): a nesterov outer optimizer's two fp32 copies of the
 trainable weights, `swarm.overlap`'s one more, the fp32 anchor of update averaging with the plain average; the
 averagers' fp32 buffers of
-the shared parameters and the held shards (hivemind's own copy, in shared memory), the averaged result copied out
-after a round's all-reduce, the served snapshots of every part at wire precision (fp16 or fp32), the refresh
+the shared parameters and the held shards (hivemind's own copy, in shared memory; a round's result is read from
+them), the served snapshots of every part at wire precision (fp16 or fp32), the refresh
 downloads of every other shard (at snapshot precision, updates already added to the copy, held until the next
 round applies them), a checkpoint's
 CPU copy of the weights and AdamW state, and at startup the whole model built in fp32 on the CPU before it moves
@@ -168,9 +168,6 @@ class MemoryPlan:
     host_averager: int
     """fp32 buffers of the averaged tensors (shared parameters and held shards), in hivemind's shared memory, and
     as much again for the error-feedback residual when averaging updates over a lossy wire."""
-    host_allreduce: int
-    """As much again after a round's all-reduce: the averaged result copied out of the averager (the all-reduce
-    itself works on parts of a few MB)."""
     host_snapshots: int
     """Served copies of the shared parameters and of every shard, at wire precision; with refresh by updates, also
     each own shard's update chain at that precision and its served update (about 1 byte per weight)."""
@@ -183,7 +180,8 @@ class MemoryPlan:
     host_runtime: int
     """`HOST_RUNTIME`."""
     host_running: int
-    """Peak while training: runtime, averager, snapshots, refresh, and the larger of all-reduce and checkpoint."""
+    """Peak while training: runtime, averager, snapshots, refresh and checkpoint. A round's result is read from the
+    averagers' buffers (`GroupAverager.finish`), not copied out of them."""
     host_startup: int
     """At startup: the whole model built in fp32 on the CPU, plus a checkpoint being resumed, plus the runtime."""
     host_total: int
@@ -370,7 +368,6 @@ def memory_plan(
     kept, working, step, allocated, gpu_total = totals(t.activation_checkpointing)
 
     wire = WIRE_SNAPSHOT_BYTES[s.wire_compression]
-    host_allreduce = 4 * trainable
     # averaging updates over a lossy wire: the error-feedback residual, fp32 in shared memory
     residual = 4 * trainable if s.average == "updates" and s.wire_compression != "none" else 0
     host_averager = 4 * trainable + residual
@@ -383,14 +380,7 @@ def memory_plan(
     host_refresh = wire * frozen_params
     # frozen experts only when checkpoints hold them (a resume without them refetches them from the swarm)
     host_checkpoint = weights + optimizer + (frozen if t.checkpoint_frozen_experts else 0) + nesterov
-    host_running = (
-        HOST_RUNTIME
-        + outer
-        + host_averager
-        + host_snapshots
-        + host_refresh
-        + max(host_allreduce, host_checkpoint)
-    )
+    host_running = HOST_RUNTIME + outer + host_averager + host_snapshots + host_refresh + host_checkpoint
     host_startup = HOST_RUNTIME + 4 * counts["total"] + host_checkpoint
     plan = MemoryPlan(
         name=cfg.name,
@@ -424,7 +414,6 @@ def memory_plan(
         working_full=full_working,
         gpu_total_full=full_total,
         host_averager=host_averager,
-        host_allreduce=host_allreduce,
         host_snapshots=host_snapshots,
         host_refresh=host_refresh,
         host_checkpoint=host_checkpoint,
@@ -453,11 +442,9 @@ def max_shards(cfg: SpesConfig, device_memory: int, *, compute: str = "bf16") ->
 def host_need(cfg: SpesConfig, shards_held: int = 1) -> int:
     """Host memory of a node that trains on the CPU: its training state (the plan's allocated peak in fp32, what
     a GPU would hold) and the host-side buffers of a running node (`host_running`) live in the same memory. It
-    writes its checkpoints in place (`checkpoint_writer`), so no checkpoint copy: only the all-reduce's."""
+    writes its checkpoints in place (`checkpoint_writer`), so no checkpoint copy."""
     running = memory_plan(cfg, shards_held, advise=False)
-    host = (
-        running.host_running - max(running.host_allreduce, running.host_checkpoint) + running.host_allreduce
-    )
+    host = running.host_running - running.host_checkpoint
     return memory_plan(cfg, shards_held, compute="fp32", advise=False).allocated + host
 
 
@@ -561,7 +548,7 @@ def plan_table(plan: MemoryPlan) -> str:
         ("averager buffers, residual (fp32)", None, plan.host_averager),
         ("served snapshots (trained parts)", None, plan.host_snapshots),
         ("refresh downloads (wire precision)", None, plan.host_refresh),
-        ("all-reduce or checkpoint copy", None, max(plan.host_allreduce, plan.host_checkpoint)),
+        ("checkpoint copy", None, plan.host_checkpoint),
         ("runtime (torch, hivemind, p2pd)", None, plan.host_runtime),
     ]
     startup = "host at startup (model built in fp32)"
