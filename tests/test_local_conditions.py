@@ -298,3 +298,24 @@ def test_a_slow_final_checkpoint_still_leaves_time_to_withdraw_the_record(monkey
     assert withdrawn == ["peer"]
     assert not any("could not" in r.getMessage() for r in caplog.records), caplog.text
     assert not node.dht.alive and not node.sync.alive
+
+
+def test_a_checkpoint_due_while_a_round_runs_beside_the_steps_waits_for_its_end(tmp_path):
+    """A checkpoint every 5 steps, due at step 6, while the round that began at step 5 still runs (its shards'
+    all-reduces beside the steps): nothing is written until the round's end, which writes it."""
+    node = _node_with_state(tmp_path)
+    node.cfg = node.cfg.replace(train={"checkpoint_every": 5, "checkpoint_every_minutes": 0})
+    in_flight = [True]
+    node.sync = SimpleNamespace(outer_state_dict=lambda: {}, round_in_flight=lambda: in_flight[0])
+    node.checkpoint_if_due()  # starts the clock at step 1
+    node.trainer.step = 6
+    node.checkpoint_if_due()
+    assert not list(tmp_path.iterdir()), "written while the round ran"
+    in_flight[0] = False
+    node.checkpoint_if_due(round_end=True)
+    assert node.checkpoint_writer.wait(60)
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000006"]
+    node.trainer.step = 11
+    node.checkpoint_if_due()  # no round in flight: written at once
+    assert node.checkpoint_writer.wait(60)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000006", "step-00000011"]

@@ -882,8 +882,8 @@ class Node:
                 self._complete_round()
         if self.sync.round_in_flight():
             self._complete_round()
-        if self.sync.finish_pending():
-            # frozen experts changed: the final checkpoint is not a duplicate of the last one
+        if self.sync.finish_pending() and self.cfg.train.checkpoint_frozen_experts:
+            # frozen experts changed, and checkpoints hold them: the final one is not a duplicate of the last one
             self.checkpoint_writer.key = None
         self.status.add_bytes("refresh", 0, self.sync.take_refresh_bytes())
         if self.opts.max_rounds is not None and self.rounds_done >= self.opts.max_rounds:
@@ -1016,7 +1016,14 @@ class Node:
 
     def checkpoint_if_due(self, round_end: bool = False) -> None:
         """Checkpoint when `checkpoint_every` steps or `checkpoint_every_minutes` have passed (at a round's end,
-        also when neither is set); see `checkpoint_writer.checkpoint_due`."""
+        also when neither is set); see `checkpoint_writer.checkpoint_due`.
+
+        While a round's all-reduces run beside the steps (`swarm.overlap_shards`, `swarm.overlap`), a checkpoint
+        that comes due waits for the round's end, where it stays due: taken mid-round, it held the weights before
+        the round's average landed (a resume from it loses the round), the round's end wrote the same step again
+        (3.7 GiB twice within seconds at spes-1b), and a GPU node's host copy of it stacked on the round's own."""
+        if not round_end and self.sync is not None and self.sync.round_in_flight():
+            return
         train = self.cfg.train
         step = self.trainer.step
         if self.checkpoint_writer.due(
