@@ -1,3 +1,4 @@
+import hashlib
 import json
 import logging
 import os
@@ -11,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from live_bytes import LiveBytes
 
 from spes_node.daemon.checkpoint import (
     CheckpointError,
@@ -334,3 +336,32 @@ def test_cuda_rng_state_without_cuda_warns(caplog):
     with caplog.at_level(logging.WARNING, logger="spes_node.daemon.checkpoint"):
         set_rng_state(state)
     assert "CUDA RNG states for 1 devices" in caplog.text
+
+
+def test_the_files_are_safetensors_written_one_tensor_at_a_time(tmp_path):
+    """Every dtype a node checkpoints, empty and 0-dim tensors, views that are not contiguous: the file loads with
+    safetensors' own reader, its recorded sha256 and size are the file's, and writing it allocated one tensor's copy
+    at a time (the non-contiguous views each need one), not a copy of them all."""
+    from safetensors.torch import load_file
+
+    big = torch.arange(4096.0).reshape(64, 64)
+    tensors = {
+        "f32_view": big.T,
+        "f32_view_too": big[:, 1::2].T,
+        "bf16": torch.randn(5, 3).to(torch.bfloat16),
+        "f16": torch.randn(7).to(torch.float16),
+        "i8": torch.randint(-127, 127, (4, 4), dtype=torch.int8),
+        "i64": torch.tensor(12345678901),
+        "bool": torch.tensor([True, False, True]),
+        "empty": torch.zeros(0, 3),
+    }
+    live = LiveBytes(tensors.values())
+    with live:
+        path = CheckpointManager(tmp_path).save(7, tensors, {})
+    assert live.peak <= big.nbytes, f"{live.peak} bytes alive at once while writing"
+    loaded = load_file(path / "model.safetensors")
+    assert_same({k: loaded[k] for k in tensors}, {k: v.contiguous() for k, v in tensors.items()})
+    recorded = json.loads((path / "meta.json").read_text())["files"]["model.safetensors"]
+    data = (path / "model.safetensors").read_bytes()
+    assert recorded["size"] == len(data)
+    assert recorded["sha256"] == hashlib.sha256(data).hexdigest()

@@ -2,11 +2,12 @@
 periodic checkpoint, in an error in the log while the node trains on; never in a traceback.
 
 Tests run as root, for whom file modes mean nothing: read-only places are read-only tmpfs mounts, immutable
-files (chattr +i) or paths below a regular file; a full disk is a tiny tmpfs or a writer that raises what
-safetensors raises on ENOSPC."""
+files (chattr +i) or paths below a regular file; a full disk is a tiny tmpfs or a tensor writer that leaves a partial
+file and raises ENOSPC."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import subprocess
@@ -20,7 +21,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors import SafetensorError
 
 import spes_node.daemon.checkpoint
 import spes_node.logs
@@ -30,8 +30,6 @@ from spes_node.daemon.checkpoint import CheckpointError, CheckpointManager
 from spes_node.daemon.checkpoint_writer import CheckpointWriter
 from spes_node.daemon.node import Node, NodeOptions
 from spes_node.swarm.identity import load_or_create_identity
-
-ENOSPC = "Error while serializing: I/O error: No space left on device (os error 28)"
 
 
 class DHTStarted(Exception):
@@ -76,9 +74,9 @@ def _tensors(n: int = 16) -> dict[str, torch.Tensor]:
     return {"w": torch.arange(n, dtype=torch.float32)}
 
 
-def _failing_writer(_tensors, path, *_args, **_kwargs):
+def _failing_writer(path, _tensors):
     Path(path).write_bytes(b"partial")  # what a writer leaves when the disk fills up mid-file
-    raise SafetensorError(ENOSPC)
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 # ------------------------------------------------------------------------------------ checkpoint manager
@@ -87,7 +85,7 @@ def _failing_writer(_tensors, path, *_args, **_kwargs):
 def test_full_disk_is_a_checkpoint_error_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     manager = CheckpointManager(tmp_path)
     manager.save(1, _tensors(), {"round": 1})
-    monkeypatch.setattr(spes_node.daemon.checkpoint, "save_file", _failing_writer)
+    monkeypatch.setattr(spes_node.daemon.checkpoint, "_write_tensors", _failing_writer)
     with pytest.raises(CheckpointError) as info:
         manager.save(2, _tensors(), {"round": 2})
     assert "step-00000002" in str(info.value) and "No space left on device" in str(info.value)
@@ -228,8 +226,8 @@ def test_full_disk_during_a_periodic_checkpoint_logs_and_trains_on(tmp_path, mon
     node.save_checkpoint()
     assert node.checkpoint_writer.wait(60)
     node.trainer.step = 2
-    writer = spes_node.daemon.checkpoint.save_file
-    monkeypatch.setattr(spes_node.daemon.checkpoint, "save_file", _failing_writer)
+    writer = spes_node.daemon.checkpoint._write_tensors
+    monkeypatch.setattr(spes_node.daemon.checkpoint, "_write_tensors", _failing_writer)
     with caplog.at_level(logging.ERROR, logger="spes_node.daemon"):
         node.save_checkpoint()  # must not raise: the write fails, the training loop goes on
         assert node.checkpoint_writer.wait(60)
@@ -240,7 +238,7 @@ def test_full_disk_during_a_periodic_checkpoint_logs_and_trains_on(tmp_path, mon
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
     assert node.checkpoints.latest().step == 1
 
-    monkeypatch.setattr(spes_node.daemon.checkpoint, "save_file", writer)
+    monkeypatch.setattr(spes_node.daemon.checkpoint, "_write_tensors", writer)
     node.save_checkpoint()  # the failed step is not remembered as saved: the next try writes it
     assert node.checkpoint_writer.wait(60)
     assert node.checkpoints.latest().step == 2

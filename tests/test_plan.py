@@ -409,3 +409,15 @@ def test_plan_matches_a_measured_merge(name):
     plan = memory_plan(cfg, 1)
     merge = plan.between_allocated - (plan.weights + plan.optimizer + plan.frozen)
     assert abs(merge - live.peak) <= TOLERANCE * live.peak, (merge, live.peak)
+
+
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_a_checkpoint_written_in_place_holds_its_largest_tensor(name):
+    """Written in place, a checkpoint copies one tensor at a time to the host: the plan's figure for it is the
+    largest tensor a node's checkpoint holds (weights, AdamW moments, frozen experts), counted on a real model."""
+    cfg = load_preset(name)
+    model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+    apply_ownership(model, [0], cfg.swarm.frozen_dtype)
+    tensors = list(model.state_dict().values())
+    tensors += [torch.empty_like(p) for p in model.parameters() if p.requires_grad]  # the moments' sizes
+    assert memory_plan(cfg, 1).host_checkpoint_in_place == max(t.nbytes for t in tensors)

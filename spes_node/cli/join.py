@@ -83,8 +83,9 @@ logger = logging.getLogger(__name__)
     type=click.Choice(["auto", "background", "in-place"]),
     default="auto",
     show_default=True,
-    help="background: snapshot to host memory and write on a thread; in-place: training waits for the write "
-    "(no copy of the training state); auto: in place on the CPU.",
+    help="background: snapshot to host memory and write on a thread; in-place: training waits for the write, "
+    "which copies one tensor at a time from the device (no copy of the training state; `spes-node plan` shows "
+    "both); auto: in place on the CPU.",
 )
 @option("--swarm-key", help="Shared secret of a private swarm (prefer --swarm-key-file: argv is visible).")
 @option("--swarm-key-file", type=click.Path(dir_okay=False), help="File holding the private swarm's key.")

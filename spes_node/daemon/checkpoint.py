@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from spes_node.errors import SpesError
 from spes_node.files import fsync_dir, replace_dir
@@ -104,8 +104,9 @@ def take_snapshot(
     experts when those are saved (32.3 GiB; `plan.MemoryPlan.host_checkpoint`), plus the outer optimizer's state
     with `outer_optimizer = "nesterov"`.
 
-    `copy=False`: the tensors themselves (CPU tensors stay where they are), for a caller that writes the snapshot
-    before it changes them again (a node training on the CPU: `CheckpointWriter.submit(in_place=True)`)."""
+    `copy=False`: the tensors themselves, wherever they are, for a caller that writes the snapshot before it
+    changes them again (a node that writes in place: `CheckpointWriter.submit(in_place=True)`); the write copies a
+    tensor on the training device to the host one at a time."""
     return _snapshot(step, tensors, meta, optimizer, copy=copy)
 
 
@@ -149,11 +150,9 @@ class CheckpointManager:
         tmp = self.directory / f"{_TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:12]}"
         try:
             tmp.mkdir()
-            files = {MODEL_FILE: _write_tensors(tmp / MODEL_FILE, _unshared(snapshot.tensors))}
+            files = {MODEL_FILE: _write_tensors(tmp / MODEL_FILE, snapshot.tensors)}
             if snapshot.optimizer_structure is not None:
-                files[OPTIMIZER_FILE] = _write_tensors(
-                    tmp / OPTIMIZER_FILE, _unshared(snapshot.optimizer_tensors)
-                )
+                files[OPTIMIZER_FILE] = _write_tensors(tmp / OPTIMIZER_FILE, snapshot.optimizer_tensors)
             body = {
                 "format": FORMAT,
                 "version": FORMAT_VERSION,
@@ -415,8 +414,8 @@ def _snapshot(step: int, tensors: dict, meta: dict, optimizer: dict | None, copy
 def _prepare(
     tensors: dict[str, torch.Tensor], field: str, copies: dict[tuple, torch.Tensor] | None
 ) -> dict[str, torch.Tensor]:
-    """Detached CPU tensors: new copies when `copies` is given (one per distinct view, kept in `copies`), else the
-    tensors themselves where they already are contiguous on the CPU."""
+    """Detached tensors: new CPU copies when `copies` is given (one per distinct view, kept in `copies`), else the
+    tensors themselves, wherever they are."""
     if not isinstance(tensors, dict):
         raise ValueError(f"{field}: expected a dict of tensors, got {type(tensors).__name__}")
     prepared: dict[str, torch.Tensor] = {}
@@ -426,8 +425,8 @@ def _prepare(
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{field}[{name!r}]: expected a tensor, got {type(tensor).__name__}")
         tensor = tensor.detach()
-        if copies is None:
-            prepared[name] = tensor.to("cpu").contiguous()
+        if copies is None:  # written as it is, where it is (`_write_tensors` moves one tensor at a time)
+            prepared[name] = tensor
             continue
         view = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype,
                 tuple(tensor.shape), tensor.stride())  # fmt: skip
@@ -437,25 +436,58 @@ def _prepare(
     return prepared
 
 
-def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors with no two sharing storage (safetensors refuses that): later sharers are cloned."""
-    out: dict[str, torch.Tensor] = {}
-    storages: set[int] = set()
-    for name, tensor in tensors.items():
-        pointer = tensor.untyped_storage().data_ptr()
-        out[name] = tensor.clone() if pointer in storages else tensor
-        storages.add(pointer)
-    return out
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
-    save_file(tensors, path)
+    """Write `tensors` as a safetensors file (header, then each tensor's bytes in order), one tensor at a time,
+    hashing the bytes as they are written; returns the file's size, sha256 and keys.
+
+    A tensor on another device, or not contiguous, is copied to the host alone and let go before the next one:
+    safetensors' own writer copies every tensor to the host before it writes the first (a GPU node writing in place
+    then held its whole training state in host memory, 23.3 GiB at spes-7b), and the file was read back for its
+    hash. Tensors that share storage (tied weights) are written each in full, as safetensors needs."""
+    header, offset = {}, 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{name}: cannot checkpoint a tensor of dtype {tensor.dtype}")
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
+    with open(path, "wb") as f:
+
+        def put(data) -> None:
+            f.write(data)
+            digest.update(data)
+
+        put(len(text).to_bytes(8, "little"))
+        put(text)
+        for tensor in tensors.values():
+            if tensor.numel():
+                host = tensor.detach().to("cpu").contiguous()
+                put(memoryview(host.reshape(-1).view(torch.uint8).numpy()))
+                del host
+        f.flush()
         os.fsync(f.fileno())
-    return {"sha256": digest.hexdigest(), "size": path.stat().st_size, "keys": list(tensors)}
+    return {"sha256": digest.hexdigest(), "size": 8 + len(text) + offset, "keys": list(tensors)}
 
 
 def _write_bytes(path: Path, data: bytes) -> None:

@@ -177,6 +177,9 @@ class MemoryPlan:
     host_checkpoint: int
     """A checkpoint's CPU copy: trainable weights, AdamW moments (and outer state), and the frozen experts as stored
     when `train.checkpoint_frozen_experts` is on."""
+    host_checkpoint_in_place: int
+    """What a checkpoint written in place (`--checkpoint-writes in-place`) holds in host memory instead of its copy:
+    its largest tensor, copied from the device alone (`checkpoint._write_tensors`); training waits for the write."""
     host_runtime: int
     """`HOST_RUNTIME`."""
     host_running: int
@@ -380,6 +383,13 @@ def memory_plan(
     host_refresh = wire * frozen_params
     # frozen experts only when checkpoints hold them (a resume without them refetches them from the swarm)
     host_checkpoint = weights + optimizer + (frozen if t.checkpoint_frozen_experts else 0) + nesterov
+    # written in place, one tensor at a time: the largest is the embedding (or the head), or a layer's gate_up of
+    # the held shard's experts; each in fp32, as are its AdamW moments
+    largest = 4 * max(
+        counts["embedding"],
+        counts["head"],
+        (m.num_experts // s.num_shards) * 2 * m.expert_ffn * m.hidden_size,
+    )
     host_running = HOST_RUNTIME + outer + host_averager + host_snapshots + host_refresh + host_checkpoint
     host_startup = HOST_RUNTIME + 4 * counts["total"] + host_checkpoint
     plan = MemoryPlan(
@@ -418,6 +428,7 @@ def memory_plan(
         host_refresh=host_refresh,
         host_checkpoint=host_checkpoint,
         host_runtime=HOST_RUNTIME,
+        host_checkpoint_in_place=largest,
         host_running=host_running,
         host_startup=host_startup,
         host_total=max(host_running, host_startup),
@@ -562,6 +573,12 @@ def plan_table(plan: MemoryPlan) -> str:
     lines.append(f"{'total':<{width}}{format_bytes(plan.gpu_total):>12}{format_bytes(plan.host_running):>12}")
     lines.append(f"{startup:<{width}}{'':>12}{format_bytes(plan.host_startup):>12}")
     lines.append("")
+    lines.append(
+        f"with checkpoints written in place (--checkpoint-writes in-place): host "
+        f"{format_bytes(plan.host_running - plan.host_checkpoint + plan.host_checkpoint_in_place)} while training "
+        f"(startup as above), "
+        f"and training waits for each write of {format_bytes(plan.host_checkpoint)}"
+    )
     other = "off" if plan.activation_checkpointing else "on"
     other_total = plan.gpu_total_full if plan.activation_checkpointing else plan.gpu_total_checkpointed
     other_act = plan.activations_full if plan.activation_checkpointing else plan.activations_checkpointed
