@@ -6,6 +6,7 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -64,9 +65,14 @@ class Trainer:
                 optimizer.state[p] = previous[name]
         return optimizer
 
-    def optimizer_state_by_name(self) -> dict[str, dict]:
+    def optimizer_state_by_name(self, without: Collection[int] = ()) -> dict[str, dict]:
+        """The optimiser state of each trainable parameter, by name; `without`: ids of parameters to leave out."""
         names = {id(p): name for name, p in self._named_trainable().items()}
-        return {names[id(p)]: state for p, state in self.optimizer.state.items() if id(p) in names}
+        return {
+            names[id(p)]: state
+            for p, state in self.optimizer.state.items()
+            if id(p) in names and id(p) not in without
+        }
 
     def set_ownership(self, owned: list[int]) -> None:
         """Change which shards train; optimiser state of parameters that stay trainable is kept.
@@ -80,14 +86,8 @@ class Trainer:
         given_up = {
             id(p) for s in leaving for expert in self.model.expert_shards(s) for p in expert.parameters()
         }
-        names = {id(p): name for name, p in self._named_trainable().items()}
-        previous = {
-            names[id(p)]: state
-            for p, state in self.optimizer.state.items()
-            if id(p) in names and id(p) not in given_up
-        }
+        previous = self.optimizer_state_by_name(without=given_up)
         self.optimizer = None
-        del names
         apply_ownership(self.model, owned, self.cfg.swarm.frozen_dtype)
         self.model.to(self.device)
         self.optimizer = self._build_optimizer(previous)

@@ -291,9 +291,8 @@ class GroupAverager:
         n = len(peers)
         if n < 2:
             return GroupResult(1, seconds, 0, 0, rejected=rejected), None
-        with (
-            self.averager.get_tensors() as buffers
-        ):  # the all-reduce has written them: nothing writes them now
+        # the all-reduce has written the buffers: nothing writes them again before our next step
+        with self.averager.get_tensors() as buffers:
             averaged = dict(zip(self.names, buffers))
         result = GroupResult(
             n, seconds, outcome.bytes_sent, outcome.bytes_received, peers=peers, rejected=rejected
