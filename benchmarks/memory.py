@@ -73,8 +73,7 @@ def probe(
 
     from spes_node.config import load_preset
     from spes_node.daemon.trainer import Trainer
-    from spes_node.model.moe import MoEForCausalLM
-    from spes_node.model.ownership import apply_ownership
+    from spes_node.model.initial import initial_model
 
     torch.set_num_threads(1)
     cfg = load_preset(preset).replace(
@@ -92,9 +91,13 @@ def probe(
 
     _reset_peak()
     baseline = _status_kib("VmRSS")
-    torch.manual_seed(cfg.train.seed)
-    model = MoEForCausalLM(cfg.model, num_shards)
-    apply_ownership(model, [0] if owned == "one" else range(num_shards), frozen_dtype)
+    model = initial_model(  # as a node makes it
+        cfg.model,
+        num_shards,
+        cfg.train.seed,
+        owned=[0] if owned == "one" else range(num_shards),
+        frozen_dtype=frozen_dtype,
+    )
     trainer = Trainer(cfg, model, SameBatch(), torch.device("cpu"))
     build_peak = _status_kib("VmHWM") - baseline
     _reset_peak()

@@ -48,8 +48,7 @@ MATCHMAKING = 2.0
 def _shared_tensors(swarm: Swarm, scale: float = 1.0) -> list[torch.Tensor]:
     """The shared parameters of a fresh model of the swarm's config, seeded like the nodes', times `scale`."""
     cfg = swarm.cfg
-    torch.manual_seed(cfg.train.seed)
-    model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+    model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards, seed=cfg.train.seed)
     return [p.detach().float().clone() * scale for p in shared_parameters(model).values()]
 
 

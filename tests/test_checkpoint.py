@@ -1,3 +1,4 @@
+import dataclasses
 import hashlib
 import json
 import logging
@@ -78,7 +79,7 @@ def test_round_trip_tensors_and_meta(tmp_path):
     assert checkpoint.meta == meta
     assert checkpoint.optimizer is None
     expected = {k: v.detach().contiguous() for k, v in tensors.items()}
-    assert_same(checkpoint.tensors, expected)
+    assert_same(dict(checkpoint.tensors), expected)
 
 
 def train_step(model, optimizer, scheduler, x, y):
@@ -179,7 +180,7 @@ def test_saving_the_same_step_twice_replaces_it(tmp_path):
 
     checkpoint = manager.latest()
     assert checkpoint.meta == {"version": 2}
-    assert_same(checkpoint.tensors, sample_tensors(2))
+    assert_same(dict(checkpoint.tensors), sample_tensors(2))
     assert [p.name for p in tmp_path.iterdir()] == ["step-00000004"]
 
 
@@ -225,7 +226,7 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path, caplog, damage, reason)
 
     assert checkpoint.step == 1
     assert checkpoint.meta == {"round": 1}
-    assert_same(checkpoint.tensors, sample_tensors(1))
+    assert_same(dict(checkpoint.tensors), sample_tensors(1))
     assert_same(checkpoint.optimizer, {"state": {0: torch.ones(2)}})
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
@@ -365,3 +366,113 @@ def test_the_files_are_safetensors_written_one_tensor_at_a_time(tmp_path):
     data = (path / "model.safetensors").read_bytes()
     assert recorded["size"] == len(data)
     assert recorded["sha256"] == hashlib.sha256(data).hexdigest()
+
+
+def test_a_checkpoint_is_read_one_tensor_at_a_time_into_the_model(tmp_path):
+    """Opening a checkpoint reads none of its tensors; loading it into a model holds one at a time beside the
+    model (torch's `load_state_dict` makes a dict of what it is given: all of it at once); the optimizer's parts
+    are read alone, each tensor once."""
+    from spes_node.config import load_preset
+    from spes_node.model.initial import initial_model
+    from spes_node.model.ownership import load_state_in_place
+
+    cfg = load_preset("tiny").model
+    saved = initial_model(cfg, 4, 1, owned=[0], frozen_dtype="bf16")
+    by_name = {
+        name: {"step": torch.tensor(3.0), "exp_avg": torch.randn_like(p), "exp_avg_sq": torch.rand_like(p)}
+        for name, p in saved.named_parameters()
+    }
+    outer = {"velocity": [torch.ones(3)]}
+    CheckpointManager(tmp_path).save(
+        5, saved.state_dict(), {}, optimizer={"by_name": by_name, "outer": outer}
+    )
+    model = initial_model(cfg, 4, 2, owned=[0], frozen_dtype="bf16")
+    held = list(model.state_dict().values())
+    largest = max(t.nbytes for t in held)
+
+    with LiveBytes(held) as live:
+        checkpoint = CheckpointManager(tmp_path).latest()
+    assert live.peak == 0
+    with LiveBytes(held) as live:
+        missing, unexpected = load_state_in_place(model, checkpoint.tensors)
+    assert (missing, unexpected) == ([], [])
+    assert live.peak <= largest, f"{live.peak / largest:.2f} of the largest tensor alive at once"
+    assert_same(dict(model.state_dict()), dict(saved.state_dict()))
+    with LiveBytes(held) as live:  # what the node did before
+        model.load_state_dict(checkpoint.tensors)
+    assert live.peak >= sum(t.nbytes for t in saved.state_dict().values()) > 2 * largest
+
+    with LiveBytes() as live:
+        got = checkpoint.optimizer_part("by_name")
+    assert live.peak == live.now == sum(t.nbytes for state in by_name.values() for t in state.values())
+    assert_same(got, by_name)
+    assert_same(checkpoint.optimizer_part("outer"), outer)
+    assert checkpoint.optimizer_part("absent") is None
+
+    other = initial_model(dataclasses.replace(cfg, expert_ffn=2 * cfg.expert_ffn), 4, 2, owned=[0])
+    with pytest.raises(ValueError, match=r"mlp\.shards\.\d\.gate_up is \["):
+        load_state_in_place(other, checkpoint.tensors)
+
+
+def test_a_file_safetensors_wrote_reads_the_same(tmp_path):
+    """Checkpoints written by safetensors' own writer (before ours) still load: its header orders tensors its own
+    way and may carry metadata."""
+    from safetensors.torch import save_file
+
+    from spes_node.daemon.tensor_file import TensorFile
+
+    tensors = sample_tensors(4)
+    save_file(tensors, tmp_path / "f.safetensors", metadata={"format": "pt"})
+    read = TensorFile(tmp_path / "f.safetensors", keys=list(tensors))
+    assert list(read) == list(tensors)
+    assert_same(dict(read), tensors)
+    assert read.dtype("bf16") == torch.bfloat16 and read.shape("fp32") == (4, 5)
+
+
+def _with_header(path: Path, header: dict, data: bytes) -> Path:
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data)
+    return path
+
+
+@pytest.mark.parametrize(
+    "header, data, reason",
+    [
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4, "do not match"),
+        ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, "do not match"),
+        ({"a": {"dtype": "X9", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, "no valid dtype"),
+        ({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8, "no valid dtype"),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            b"\0" * 12,
+            "overlap",
+        ),  # fmt: skip
+        ([1, 2], b"", "not a JSON object"),
+    ],
+)
+def test_a_damaged_tensor_file_is_refused_when_opened(tmp_path, header, data, reason):
+    from spes_node.daemon.tensor_file import TensorFile, TensorFileError
+
+    path = _with_header(tmp_path / "f.safetensors", header, data)
+    with pytest.raises(TensorFileError, match=reason) as failure:
+        TensorFile(path)
+    assert "\n" not in str(failure.value)
+
+
+def test_a_file_that_is_no_tensor_file_is_refused(tmp_path):
+    from spes_node.daemon.tensor_file import TensorFile, TensorFileError
+
+    (tmp_path / "junk").write_bytes((1 << 40).to_bytes(8, "little") + b"{}")
+    with pytest.raises(TensorFileError, match="header length"):
+        TensorFile(tmp_path / "junk")
+    (tmp_path / "short").write_bytes(b"\x01")
+    with pytest.raises(TensorFileError, match="header length"):
+        TensorFile(tmp_path / "short")
+    path = _with_header(
+        tmp_path / "f", {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8
+    )
+    with pytest.raises(TensorFileError, match="other tensors"):
+        TensorFile(path, keys=["a", "b"])

@@ -104,8 +104,7 @@ def test_resume_without_frozen_experts_downloads_them_from_the_holder(tmp_path, 
             node.shutdown()
         swarm.close()
 
-    torch.manual_seed(cfg.train.seed)
-    initial = shard_tensors(MoEForCausalLM(cfg.model, cfg.swarm.num_shards), 0)
+    initial = shard_tensors(MoEForCausalLM(cfg.model, cfg.swarm.num_shards, seed=cfg.train.seed), 0)
     assert any(not torch.equal(got[k], initial[k]) for k in got), "shard 0 kept its initial weights"
     # the holder served the state of one of its rounds (at the wire's fp16); its round-end checkpoints hold them
     wire = cfg.swarm.wire_compression

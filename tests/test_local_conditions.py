@@ -85,7 +85,7 @@ def _failing_writer(path, _tensors):
 def test_full_disk_is_a_checkpoint_error_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     manager = CheckpointManager(tmp_path)
     manager.save(1, _tensors(), {"round": 1})
-    monkeypatch.setattr(spes_node.daemon.checkpoint, "_write_tensors", _failing_writer)
+    monkeypatch.setattr(spes_node.daemon.checkpoint, "write_tensors", _failing_writer)
     with pytest.raises(CheckpointError) as info:
         manager.save(2, _tensors(), {"round": 2})
     assert "step-00000002" in str(info.value) and "No space left on device" in str(info.value)
@@ -226,8 +226,8 @@ def test_full_disk_during_a_periodic_checkpoint_logs_and_trains_on(tmp_path, mon
     node.save_checkpoint()
     assert node.checkpoint_writer.wait(60)
     node.trainer.step = 2
-    writer = spes_node.daemon.checkpoint._write_tensors
-    monkeypatch.setattr(spes_node.daemon.checkpoint, "_write_tensors", _failing_writer)
+    writer = spes_node.daemon.checkpoint.write_tensors
+    monkeypatch.setattr(spes_node.daemon.checkpoint, "write_tensors", _failing_writer)
     with caplog.at_level(logging.ERROR, logger="spes_node.daemon"):
         node.save_checkpoint()  # must not raise: the write fails, the training loop goes on
         assert node.checkpoint_writer.wait(60)
@@ -238,7 +238,7 @@ def test_full_disk_during_a_periodic_checkpoint_logs_and_trains_on(tmp_path, mon
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
     assert node.checkpoints.latest().step == 1
 
-    monkeypatch.setattr(spes_node.daemon.checkpoint, "_write_tensors", writer)
+    monkeypatch.setattr(spes_node.daemon.checkpoint, "write_tensors", writer)
     node.save_checkpoint()  # the failed step is not remembered as saved: the next try writes it
     assert node.checkpoint_writer.wait(60)
     assert node.checkpoints.latest().step == 2

@@ -101,8 +101,7 @@ def _record(swarm: Swarm, name: str):
 
 def _initial_model(cfg) -> MoEForCausalLM:
     """The weights every node starts from (the founder's; a joiner downloads them)."""
-    torch.manual_seed(cfg.train.seed)
-    return MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+    return MoEForCausalLM(cfg.model, cfg.swarm.num_shards, seed=cfg.train.seed)
 
 
 def _model_of(cfg, checkpoint) -> MoEForCausalLM:

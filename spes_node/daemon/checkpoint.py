@@ -14,7 +14,6 @@ see `checkpoint_writer`.
 from __future__ import annotations
 
 import base64
-import concurrent.futures
 import hashlib
 import json
 import logging
@@ -31,9 +30,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
+from spes_node.daemon.tensor_file import TensorFile, TensorFileError, write_tensors
 from spes_node.errors import SpesError
 from spes_node.files import fsync_dir, replace_dir
 
@@ -65,13 +63,31 @@ class _Corrupt(Exception):
 
 @dataclass
 class Checkpoint:
-    """A verified checkpoint, loaded into CPU memory."""
+    """A verified checkpoint. Its tensors are read from its files when they are looked up (`TensorFile`), so that
+    a resume goes through them one at a time, on to the device that holds them."""
 
     step: int
-    tensors: dict[str, torch.Tensor]
-    optimizer: dict | None
+    tensors: TensorFile
+    """The model's tensors, by name."""
     meta: dict
     path: Path
+    optimizer_structure: Any = None
+    """`flatten_state`'s structure of the optimizer state; None without one."""
+    optimizer_tensors: TensorFile | None = None
+
+    @property
+    def optimizer(self) -> dict | None:
+        """The whole optimizer state on the CPU, read from the file at each access (`optimizer_part` reads one
+        part of it, on to a device)."""
+        if self.optimizer_structure is None:
+            return None
+        return unflatten_state(self.optimizer_structure, self.optimizer_tensors)
+
+    def optimizer_part(self, key: str, device: torch.device | str = "cpu") -> Any:
+        """Part `key` of the optimizer state (None when it has none), each tensor read on to `device` alone."""
+        if not isinstance(self.optimizer_structure, dict) or key not in self.optimizer_structure:
+            return None
+        return unflatten_state(self.optimizer_structure[key], self.optimizer_tensors.to(device))
 
 
 @dataclass
@@ -151,9 +167,9 @@ class CheckpointManager:
         tmp = self.directory / f"{_TMP_PREFIX}{final.name}-{uuid.uuid4().hex[:12]}"
         try:
             tmp.mkdir()
-            files = {MODEL_FILE: _write_tensors(tmp / MODEL_FILE, snapshot.tensors)}
+            files = {MODEL_FILE: write_tensors(tmp / MODEL_FILE, snapshot.tensors)}
             if snapshot.optimizer_structure is not None:
-                files[OPTIMIZER_FILE] = _write_tensors(tmp / OPTIMIZER_FILE, snapshot.optimizer_tensors)
+                files[OPTIMIZER_FILE] = write_tensors(tmp / OPTIMIZER_FILE, snapshot.optimizer_tensors)
             body = {
                 "format": FORMAT,
                 "version": FORMAT_VERSION,
@@ -166,10 +182,9 @@ class CheckpointManager:
             _write_bytes(tmp / META_FILE, json.dumps(document, indent=1).encode())
             fsync_dir(tmp)
             replace_dir(tmp, final, durable=True)
-        except (OSError, SafetensorError) as e:
-            # SafetensorError: safetensors reports a full disk or a failed write as its own error, not an OSError
+        except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            reason = (e.strerror if isinstance(e, OSError) else None) or str(e) or type(e).__name__
+            reason = e.strerror or str(e) or type(e).__name__
             raise CheckpointError(f"cannot write checkpoint {final}: {reason}") from e
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -426,7 +441,7 @@ def _prepare(
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{field}[{name!r}]: expected a tensor, got {type(tensor).__name__}")
         tensor = tensor.detach()
-        if copies is None:  # written as it is, where it is (`_write_tensors` moves one tensor at a time)
+        if copies is None:  # written as it is, where it is (`write_tensors` moves one tensor at a time)
             prepared[name] = tensor
             continue
         view = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype,
@@ -435,62 +450,6 @@ def _prepare(
             copies[view] = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
         prepared[name] = copies[view]
     return prepared
-
-
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-
-
-def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
-    """Write `tensors` as a safetensors file (header, then each tensor's bytes in order), one tensor at a time,
-    hashing the bytes as they are written; returns the file's size, sha256 and keys.
-
-    A tensor on another device, or not contiguous, is copied to the host alone and let go before the next one:
-    safetensors' own writer copies every tensor to the host before it writes the first (a GPU node writing in place
-    then held its whole training state in host memory, 23.3 GiB at spes-7b), and the file was read back for its
-    hash. Tensors that share storage (tied weights) are written each in full, as safetensors needs."""
-    header, offset = {}, 0
-    for name, tensor in tensors.items():
-        if tensor.dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{name}: cannot checkpoint a tensor of dtype {tensor.dtype}")
-        nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {
-            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    digest = hashlib.sha256()
-    # the hash of a tensor's bytes runs on a thread while they are written (both let go of the GIL): a write takes
-    # the longer of the two instead of their sum (sha256 runs at about 1.5 GB/s on this project's CPU machine)
-    with open(path, "wb") as f, concurrent.futures.ThreadPoolExecutor(1, "spes-checkpoint-hash") as hasher:
-
-        def put(data) -> None:
-            hashing = hasher.submit(digest.update, data)
-            f.write(data)
-            hashing.result()
-
-        put(len(text).to_bytes(8, "little") + text)
-        for tensor in tensors.values():
-            if tensor.numel():
-                host = tensor.detach().to("cpu").contiguous()
-                put(memoryview(host.reshape(-1).view(torch.uint8).numpy()))
-                del host
-        f.flush()
-        os.fsync(f.fileno())
-    return {"sha256": digest.hexdigest(), "size": 8 + len(text) + offset, "keys": list(tensors)}
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
@@ -529,16 +488,15 @@ def _load(path: Path, step: int) -> Checkpoint:
     meta = document.get("meta")
     if not isinstance(meta, dict):
         raise _Corrupt("meta.json holds no metadata dict")
-    tensors = _read_tensors(path / MODEL_FILE, files[MODEL_FILE])
-    optimizer = None
+    tensors = _open_tensors(path / MODEL_FILE, files[MODEL_FILE])
+    optimizer_tensors = None
     if optimizer_structure is not None:
-        try:
-            optimizer = unflatten_state(
-                optimizer_structure, _read_tensors(path / OPTIMIZER_FILE, files[OPTIMIZER_FILE])
-            )
+        optimizer_tensors = _open_tensors(path / OPTIMIZER_FILE, files[OPTIMIZER_FILE])
+        try:  # the structure's placeholders checked against the file, without reading a tensor
+            unflatten_state(optimizer_structure, dict.fromkeys(optimizer_tensors))
         except ValueError as e:
             raise _Corrupt(f"optimizer state: {e}") from None
-    return Checkpoint(step=step, tensors=tensors, optimizer=optimizer, meta=meta, path=path)
+    return Checkpoint(step, tensors, meta, path, optimizer_structure, optimizer_tensors)
 
 
 def _read_meta(path: Path) -> dict:
@@ -581,14 +539,12 @@ def _verify_file(path: Path, expected: Any) -> None:
         raise _Corrupt(f"{path.name} sha256 mismatch")
 
 
-def _read_tensors(path: Path, expected: dict) -> dict[str, torch.Tensor]:
-    """The file's tensors, in the order they were saved in."""
-    try:
-        tensors = load_file(path)
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise _Corrupt(f"{path.name} does not load: {reason}") from None
+def _open_tensors(path: Path, expected: dict) -> TensorFile:
+    """The file's tensors, in the order they were saved in, read when they are looked up."""
     keys = expected.get("keys")
-    if not isinstance(keys, list) or sorted(keys) != sorted(tensors):
-        raise _Corrupt(f"{path.name} holds other tensors than meta.json lists")
-    return {key: tensors[key] for key in keys}
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise _Corrupt(f"meta.json lists no tensors for {path.name}")
+    try:
+        return TensorFile(path, keys)
+    except TensorFileError as e:
+        raise _Corrupt(str(e)) from None

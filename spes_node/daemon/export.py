@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     import torch
 
     from spes_node.config import SpesConfig
+    from spes_node.daemon.tensor_file import TensorFile
     from spes_node.swarm.records import NodeInfo
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ def load_checkpoint_weights(
     from spes_node.config import SpesConfig, load_config
     from spes_node.daemon.checkpoint import CheckpointManager
     from spes_node.model.moe import MoEForCausalLM
-    from spes_node.model.ownership import apply_ownership, dense_state_dict
+    from spes_node.model.ownership import apply_ownership, dense_state_dict, load_state_in_place
 
     directory = Path(checkpoint_dir)
     if not directory.is_dir():
@@ -75,16 +76,16 @@ def load_checkpoint_weights(
     model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
     apply_ownership(model, owned, _frozen_dtype(checkpoint.tensors, cfg.swarm.num_shards, owned))
     expected = model.state_dict()
-    wrong = [k for k, v in checkpoint.tensors.items() if k in expected and v.dtype != expected[k].dtype]
+    tensors = checkpoint.tensors
+    wrong = [k for k in tensors if k in expected and tensors.dtype(k) != expected[k].dtype]
     if wrong:
         raise ValueError(f"--checkpoint-dir: {checkpoint.path.name} stores {wrong[0]} in an unexpected dtype")
     try:
-        model.load_state_dict(checkpoint.tensors, strict=True)
-    except RuntimeError as e:
-        reason = str(e).strip().splitlines()[0]
-        raise ValueError(
-            f"--checkpoint-dir: {checkpoint.path.name} does not fit the config: {reason}"
-        ) from None
+        missing, unexpected = load_state_in_place(model, tensors)
+        if missing or unexpected:
+            raise ValueError(f"{'missing' if missing else 'unexpected'} {(missing or unexpected)[0]}")
+    except ValueError as e:
+        raise ValueError(f"--checkpoint-dir: {checkpoint.path.name} does not fit the config: {e}") from None
     provenance = {
         "source": "checkpoint",
         "checkpoint": checkpoint.path.name,
@@ -96,12 +97,12 @@ def load_checkpoint_weights(
     return cfg, {k: v.detach().clone() for k, v in dense_state_dict(model).items()}, provenance
 
 
-def _frozen_dtype(tensors: dict[str, torch.Tensor], num_shards: int, owned: list[int]) -> str:
+def _frozen_dtype(tensors: TensorFile, num_shards: int, owned: list[int]) -> str:
     import torch
 
     names = {torch.int8: "int8", torch.bfloat16: "bf16", torch.float32: "fp32"}
     found = {
-        tensors[key].dtype
+        tensors.dtype(key)
         for shard in range(num_shards)
         if shard not in owned and (key := f"model.layers.0.mlp.shards.{shard}.gate_up") in tensors
     }

@@ -48,8 +48,9 @@ from spes_node.daemon.trainer import Trainer
 from spes_node.devices import resolve_device
 from spes_node.errors import SpesError
 from spes_node.files import write_text_atomic
+from spes_node.model.initial import initial_model
 from spes_node.model.moe import MoEForCausalLM
-from spes_node.model.ownership import apply_ownership, owned_shards
+from spes_node.model.ownership import load_state_in_place, owned_shards
 from spes_node.model.tokenizer import load_tokenizer
 from spes_node.procs import NodeDHT, kill_tree
 from spes_node.swarm import reachability, records, relay
@@ -344,14 +345,21 @@ class Node:
         opts, cfg = self.opts, self.cfg
         self.device = resolve_device(opts.device)
         torch.manual_seed(cfg.train.seed)
-        self.model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+        # made where it trains, one weight at a time, each frozen shard at its storage precision: no fp32 copy of
+        # the whole model in host memory (25.8 GiB at spes-7b)
+        self.model = initial_model(
+            cfg.model,
+            cfg.swarm.num_shards,
+            cfg.train.seed,
+            owned=self.shards,
+            frozen_dtype=cfg.swarm.frozen_dtype,
+            device=self.device,
+        )
         if opts.init_from is not None:
             from spes_node.model.hf_checkpoint import load_hf_weights
 
             load_hf_weights(self.model, opts.init_from)
             logger.info(f"initial weights from {opts.init_from}")
-        apply_ownership(self.model, self.shards, cfg.swarm.frozen_dtype)
-        self.model.to(self.device)
 
         tokenizer = load_tokenizer(cfg.data.tokenizer)
         spec = opts.data or cfg.data.source
@@ -733,7 +741,7 @@ class Node:
 
     def _restore_outer(self, checkpoint) -> None:
         """The outer optimiser's state (Nesterov momentum), saved beside the inner one."""
-        outer = (checkpoint.optimizer or {}).get("outer")
+        outer = checkpoint.optimizer_part("outer")
         if outer:
             self.sync.load_outer_state_dict(outer)
 
@@ -746,15 +754,19 @@ class Node:
             if meta.get("frozen_experts", True)
             else frozen_expert_names(self.model.state_dict(), meta["shards"])
         )
-        loaded = self.model.load_state_dict(checkpoint.tensors, strict=False)
-        if loaded.unexpected_keys or set(loaded.missing_keys) - absent:
-            wrong = sorted(loaded.unexpected_keys) or sorted(set(loaded.missing_keys) - absent)
+        # one tensor at a time, each on to the device as it is read: the host never holds the checkpoint whole
+        # (23.3 GiB of weights and AdamW moments at spes-7b)
+        try:
+            missing, unexpected = load_state_in_place(self.model, checkpoint.tensors)
+        except ValueError as e:
+            raise NodeError(f"checkpoint {checkpoint.path} does not fit the model: {e}") from None
+        if unexpected or set(missing) - absent:
+            wrong = sorted(unexpected) or sorted(set(missing) - absent)
             raise NodeError(f"checkpoint {checkpoint.path} does not fit the model (e.g. {wrong[0]})")
         self.trainer.set_ownership([int(s) for s in meta["shards"]])
-        if checkpoint.optimizer:
-            self.trainer.optimizer = self.trainer._build_optimizer(
-                {name: state for name, state in checkpoint.optimizer["by_name"].items()}
-            )
+        by_name = checkpoint.optimizer_part("by_name", self.device)
+        if by_name:
+            self.trainer.optimizer = self.trainer._build_optimizer(by_name)
         self.trainer.step = int(meta["step"])
         self.status.round = int(meta["round"])
         self.status.tokens = int(meta.get("tokens", 0))

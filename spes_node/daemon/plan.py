@@ -30,8 +30,9 @@ the shared parameters and the held shards (hivemind's own copy, in shared memory
 them), the served snapshots of every part at wire precision (fp16 or fp32), the refresh
 downloads of every other shard (at snapshot precision, updates already added to the copy, held until the next
 round applies them), a checkpoint's
-CPU copy of the weights and AdamW state, and at startup the whole model built in fp32 on the CPU before it moves
-to the device (plus a checkpoint being resumed).
+CPU copy of the weights and AdamW state. At startup the model is made on its device one weight at a time
+(`model.initial`), and a checkpoint being resumed is read one tensor at a time on to it (`tensor_file`): the host
+holds one weight in fp32 and its stored form, not the model.
 
 Sizes: the GPU total adds `CUDA_RESERVE` for what lives outside torch's allocator (CUDA context, cuBLAS
 workspaces) and `ALLOCATOR_MARGIN` of the allocated peak for the caching allocator's rounding and fragmentation.
@@ -179,14 +180,16 @@ class MemoryPlan:
     when `train.checkpoint_frozen_experts` is on."""
     host_checkpoint_in_place: int
     """What a checkpoint written in place (`--checkpoint-writes in-place`) holds in host memory instead of its copy:
-    its largest tensor, copied from the device alone (`checkpoint._write_tensors`); training waits for the write."""
+    its largest tensor, copied from the device alone (`tensor_file.write_tensors`); training waits for the write."""
     host_runtime: int
     """`HOST_RUNTIME`."""
     host_running: int
     """Peak while training: runtime, averager, snapshots, refresh and checkpoint. A round's result is read from the
     averagers' buffers (`GroupAverager.finish`), not copied out of them."""
     host_startup: int
-    """At startup: the whole model built in fp32 on the CPU, plus a checkpoint being resumed, plus the runtime."""
+    """At startup, beside the runtime: one weight as it is made (drawn in fp32, then its stored form: bf16, or int8
+    with the scaled copy and row scales) or read from a checkpoint being resumed; the model itself is on the device.
+    `--init-from` is not counted: it loads the Hugging Face checkpoint whole, in fp32."""
     host_total: int
     """The larger of the two."""
     device_memory: int | None = None
@@ -391,7 +394,14 @@ def memory_plan(
         (m.num_experts // s.num_shards) * 2 * m.expert_ffn * m.hidden_size,
     )
     host_running = HOST_RUNTIME + outer + host_averager + host_snapshots + host_refresh + host_checkpoint
-    host_startup = HOST_RUNTIME + 4 * counts["total"] + host_checkpoint
+    # made one weight at a time: the largest shared weight in fp32, or a shard's gate_up drawn in fp32 beside its
+    # stored form (`moe.stored_form`: bf16, or int8 from a scaled fp32 copy, with fp32 row scales)
+    made = {"fp32": 4, "bf16": 4 + 2, "int8": 4 + 4 + 1}[s.frozen_dtype]
+    rows = (m.num_experts // s.num_shards) * 2 * m.expert_ffn
+    scales = 4 * rows if s.frozen_dtype == "int8" else 0
+    host_startup = HOST_RUNTIME + max(
+        4 * counts["embedding"], 4 * counts["head"], made * rows * m.hidden_size + scales
+    )
     plan = MemoryPlan(
         name=cfg.name,
         num_shards=s.num_shards,
@@ -562,7 +572,7 @@ def plan_table(plan: MemoryPlan) -> str:
         ("checkpoint copy", None, plan.host_checkpoint),
         ("runtime (torch, hivemind, p2pd)", None, plan.host_runtime),
     ]
-    startup = "host at startup (model built in fp32)"
+    startup = "host at startup (made on the device)"
     width = max(len(startup), *(len(r[0]) for r in rows)) + 2
     lines.append(f"{'component':<{width}}{'GPU':>12}{'host':>12}")
     for name, gpu, host in rows:

@@ -133,16 +133,23 @@ class ExpertShard(nn.Module):
         scale = getattr(self, f"{name}_scale")[local] if self.frozen_dtype == "int8" else None
         return _FrozenLinear.apply(x, weight, scale)
 
+    @torch.no_grad()
+    def fill(self, name: str, value: torch.Tensor) -> None:
+        """Write fp32 `value` into weight `name` ("gate_up" or "down") in place, in the shard's storage form.
+
+        For a model being made (`spes_node.model.initial`): a frozen weight's buffers are overwritten where they
+        are, so a frozen copy that something still reads (a served snapshot) would change under it."""
+        if self.trainable:
+            getattr(self, name).copy_(value)
+            return
+        for target, stored in zip(self.stored(name), stored_form(value, self.frozen_dtype), strict=True):
+            target.copy_(stored)
+
     def _store_frozen(self, name: str, value: torch.Tensor) -> None:
-        value = value.detach().float()
-        if self.frozen_dtype == "int8":
-            scale = value.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0
-            quantized = torch.round(value / scale).clamp_(-127, 127).to(torch.int8)
-            self._set_buffer(name, quantized)
-            self._set_buffer(f"{name}_scale", scale)
-        else:
-            dtype = torch.bfloat16 if self.frozen_dtype == "bf16" else torch.float32
-            self._set_buffer(name, value.to(dtype))
+        stored = stored_form(value, self.frozen_dtype)
+        self._set_buffer(name, stored[0])
+        if len(stored) > 1:
+            self._set_buffer(f"{name}_scale", stored[1])
 
     def _set_buffer(self, name: str, value: torch.Tensor) -> None:
         if name in self._buffers:
@@ -183,6 +190,17 @@ class _FrozenLinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         weight, scale = ctx.saved_tensors
         return (grad @ _dense(weight, scale, grad.dtype)).to(ctx.x_dtype), None, None
+
+
+def stored_form(value: torch.Tensor, frozen_dtype: str) -> list[torch.Tensor]:
+    """A weight's values as a frozen shard stores them: in fp32 or bf16, or int8 with its per-row fp32 scale
+    (symmetric, one scale per output row)."""
+    value = value.detach().float()
+    if frozen_dtype == "int8":
+        scale = value.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 127.0
+        quantized = (value / scale).round_().clamp_(-127, 127)  # one temporary beside the value
+        return [quantized.to(torch.int8), scale]
+    return [value.to(torch.bfloat16 if frozen_dtype == "bf16" else torch.float32)]
 
 
 def read_stored(
@@ -272,7 +290,7 @@ class ModelOutput:
 class MoEForCausalLM(nn.Module):
     """Decoder-only OLMoE language model whose experts are grouped into `num_shards` shards per layer."""
 
-    def __init__(self, cfg: ModelConfig, num_shards: int = 1):
+    def __init__(self, cfg: ModelConfig, num_shards: int = 1, seed: int | None = None):
         super().__init__()
         if cfg.num_experts % num_shards:
             raise ValueError(f"num_shards: {num_shards} does not divide num_experts {cfg.num_experts}")
@@ -283,15 +301,17 @@ class MoEForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.reset_parameters()
+        self.reset_parameters(None if seed is None else torch.Generator().manual_seed(seed))
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Every parameter's `initial_value`, in `named_parameters` order, drawn from `generator` (default: torch's
+        global generator, as left by the modules' own initialisation). With `seed` given to the constructor, these
+        are the weights `spes_node.model.initial.initial_model` makes for that seed. Nothing is drawn on the meta
+        device."""
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, self.cfg.init_std)
+            if not p.is_meta:
+                p.copy_(initial_value(self.cfg, name, p.shape, generator))
 
     def expert_shards(self, shard: int) -> list[ExpertShard]:
         """Shard `shard` of every layer, in layer order."""
@@ -326,6 +346,16 @@ class MoEForCausalLM(nn.Module):
         )
         fraction = counts / top_i.shape[0]
         return self.cfg.num_experts * (fraction * probs.mean(dim=0)).sum()
+
+
+def initial_value(
+    cfg: ModelConfig, name: str, shape: torch.Size, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Parameter `name`'s initial fp32 value on the CPU: ones for a norm's weight, else N(0, `init_std`) drawn from
+    `generator`. Drawn on the CPU whatever the training device, so that every node of a seed starts the same."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    return torch.empty(shape).normal_(0.0, cfg.init_std, generator=generator)
 
 
 def is_expert_name(name: str) -> bool:

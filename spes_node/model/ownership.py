@@ -6,7 +6,7 @@ every node trains them. A node trains the experts of the shards it owns; every o
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -95,3 +95,24 @@ def load_dense_state_dict(model: MoEForCausalLM, state: dict[str, torch.Tensor])
         p.copy_(state[name])
     for shard in range(model.num_shards):
         load_shard_tensors(model, shard, state)
+
+
+@torch.no_grad()
+def load_state_in_place(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """Copy each of `tensors` (named and stored as `model.state_dict()` has them) into the model's tensor of that
+    name, wherever it lives, looking each up once and letting it go before the next: torch's `load_state_dict`
+    first makes a dict of the mapping it is given, which for a checkpoint read on demand is all of it at once.
+    Returns the names the model has and `tensors` lack, and those `tensors` have and the model lacks; nothing is
+    copied when there are any of the latter. ValueError, naming it, for a tensor of another shape."""
+    targets = model.state_dict(keep_vars=True)
+    unexpected = [name for name in tensors if name not in targets]
+    missing = [name for name in targets if name not in tensors]
+    if unexpected:
+        return missing, unexpected
+    for name in tensors:
+        value = tensors[name]
+        if value.shape != targets[name].shape:
+            raise ValueError(f"{name} is {list(value.shape)}, the model's {list(targets[name].shape)}")
+        targets[name].copy_(value)
+        del value
+    return missing, unexpected
