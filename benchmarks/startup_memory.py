@@ -12,7 +12,10 @@ in the same memory; the measure is the growth beyond them, which is what the hos
 - resume: a checkpoint of that model as the node writes it (shared parameters and the held shard, frozen experts
   only if the preset checkpoints them, AdamW moments in fp32) is written once; a fresh process makes the model and
   reads the checkpoint into it and its optimizer state as `Node._resume` does (`ownership.load_state_in_place`,
-  `Checkpoint.optimizer_part`), against torch's `load_state_dict` of safetensors' `load_file` (before).
+  `Checkpoint.optimizer_part`), against torch's `load_state_dict` of safetensors' `load_file` (before), then reads
+  every moment once, as the first optimizer step would (`load_file` maps the file: its tensors take memory when
+  read). On a GPU node the difference is where the moments go: they are now read on to the device one at a time;
+  before, they stayed in host memory, where a fused CUDA AdamW does not take them.
 
 Beside each: the plan's `host_startup` less its runtime term (one weight as it is made).
 """
@@ -122,7 +125,16 @@ def probe(kind: str, preset: str, directory: str) -> dict:
         everything = load_file(checkpoint.path / "optimizer.safetensors")
         return unflatten_state(checkpoint.optimizer_structure, everything)["by_name"]
 
-    state, growth = _growth(resume_new if kind == "resume-new" else resume_old)
+    def resume():
+        state = resume_new() if kind == "resume-new" else resume_old()
+        # read every moment, as the first optimizer step does: safetensors' `load_file` maps the file (copy on
+        # write), so its tensors take memory only when they are read
+        for one in state.values():
+            for t in one.values():
+                t.sum()
+        return state
+
+    state, growth = _growth(resume)
     moments = sum(t.nbytes for one in state.values() for t in one.values())
     return {"growth": growth, "state": moments}
 
