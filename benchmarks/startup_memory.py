@@ -17,6 +17,11 @@ in the same memory; the measure is the growth beyond them, which is what the hos
   read). On a GPU node the difference is where the moments go: they are now read on to the device one at a time;
   before, they stayed in host memory, where a fused CUDA AdamW does not take them.
 
+- init: the model's initial weights written as a Hugging Face checkpoint (`save_hf_checkpoint`, as `spes-node
+  export` or `init` write them) are loaded into a fresh model as `--init-from` does (`load_hf_weights`: one layer's
+  shard at a time from the files), against transformers' `from_pretrained` in fp32 then `from_hf_state_dict` and
+  `load_dense_state_dict` (before).
+
 Beside each: the plan's `host_startup` less its runtime term (one weight as it is made).
 """
 
@@ -33,7 +38,7 @@ from pathlib import Path
 
 from benchmarks.common import LoadMonitor, emit, mib, python_cmd, table, write_result
 
-PHASES = ("make-new", "make-old", "write", "resume-new", "resume-old")
+PHASES = ("make-new", "make-old", "write", "resume-new", "resume-old", "hf-write", "init-new", "init-old")
 SETTINGS = {"preset": "spes-1b", "torch_threads": 1, "phases": list(PHASES)}
 
 
@@ -94,6 +99,33 @@ def probe(kind: str, preset: str, directory: str) -> dict:
         model, growth = _growth(build)
         return {"growth": growth, "state": stored(model)}
     model = make()
+    hf_dir = Path(directory) / "hf"
+    if kind == "hf-write":
+        from spes_node.model.hf_checkpoint import save_hf_checkpoint
+        from spes_node.model.ownership import dense_state_dict
+
+        save_hf_checkpoint(cfg, dense_state_dict(model), hf_dir)
+        return {"bytes": sum(f.stat().st_size for f in hf_dir.iterdir())}
+    if kind in ("init-new", "init-old"):
+
+        def init_new():
+            from spes_node.model.hf_checkpoint import load_hf_weights
+
+            load_hf_weights(model, hf_dir)
+
+        def init_old():
+            from transformers import OlmoeForCausalLM
+
+            from spes_node.model.hf_interop import from_hf_state_dict
+            from spes_node.model.ownership import load_dense_state_dict
+
+            hf_model = OlmoeForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+            state = from_hf_state_dict(hf_model.state_dict(), s.num_shards)
+            load_dense_state_dict(model, state)
+
+        # the frozen shards' buffers are replaced as they load: the state is the model's, as before
+        _, growth = _growth(init_new if kind == "init-new" else init_old)
+        return {"growth": growth, "state": 0}
     if kind == "write":
         tensors = model.state_dict()
         if not cfg.train.checkpoint_frozen_experts:
@@ -162,7 +194,11 @@ def run(workdir: Path, settings: dict) -> dict:
             results[kind]["seconds"] = round(time.monotonic() - started, 1)
             emit(f"{kind}: {results[kind]}")
     rows = []
-    for kind, what in (("make", "making the model"), ("resume", "resuming a checkpoint")):
+    for kind, what in (
+        ("make", "making the model"),
+        ("resume", "resuming a checkpoint"),
+        ("init", "--init-from a HF checkpoint"),
+    ):
         new, old = results.get(f"{kind}-new"), results.get(f"{kind}-old")
         if new or old:
             state = (new or old)["state"]

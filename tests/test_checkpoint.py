@@ -419,7 +419,7 @@ def test_a_file_safetensors_wrote_reads_the_same(tmp_path):
     way and may carry metadata."""
     from safetensors.torch import save_file
 
-    from spes_node.daemon.tensor_file import TensorFile
+    from spes_node.tensor_file import TensorFile
 
     tensors = sample_tensors(4)
     save_file(tensors, tmp_path / "f.safetensors", metadata={"format": "pt"})
@@ -454,7 +454,7 @@ def _with_header(path: Path, header: dict, data: bytes) -> Path:
     ],
 )
 def test_a_damaged_tensor_file_is_refused_when_opened(tmp_path, header, data, reason):
-    from spes_node.daemon.tensor_file import TensorFile, TensorFileError
+    from spes_node.tensor_file import TensorFile, TensorFileError
 
     path = _with_header(tmp_path / "f.safetensors", header, data)
     with pytest.raises(TensorFileError, match=reason) as failure:
@@ -463,7 +463,7 @@ def test_a_damaged_tensor_file_is_refused_when_opened(tmp_path, header, data, re
 
 
 def test_a_file_that_is_no_tensor_file_is_refused(tmp_path):
-    from spes_node.daemon.tensor_file import TensorFile, TensorFileError
+    from spes_node.tensor_file import TensorFile, TensorFileError
 
     (tmp_path / "junk").write_bytes((1 << 40).to_bytes(8, "little") + b"{}")
     with pytest.raises(TensorFileError, match="header length"):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from live_bytes import LiveBytes
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from spes_node.cli import main
@@ -349,3 +350,69 @@ def test_a_one_round_node_run_exports_to_a_model_with_the_nodes_logits(tmp_path)
         main, ["generate", "--model", str(tmp_path / "out"), "--prompt", "import "]
     )
     assert generated.exit_code == 0 and len(generated.stdout) > len("import \n"), generated.output
+
+
+def test_load_hf_weights_holds_one_layers_shard_at_a_time(tmp_path):
+    """Read one tensor at a time from the files and loaded one layer's shard at a time: the host holds that shard's
+    gate/up and down in fp32 with the pieces they are put together from, not the model (transformers'
+    `from_pretrained` built the whole model in fp32 first)."""
+    cfg = tiny_config("bf16")
+    original = write_node_checkpoint(tmp_path / "node", cfg)
+    assert export("--checkpoint-dir", str(tmp_path / "node"), "--out", str(tmp_path / "out")).exit_code == 0
+    restored = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+    apply_ownership(restored, [0], "bf16")
+    m = cfg.model
+    layer_shard = 4 * (m.num_experts // cfg.swarm.num_shards) * 3 * m.expert_ffn * m.hidden_size
+    # a frozen shard's old buffers go as its new ones come: the model's tensors count until they are freed
+    with LiveBytes(restored.state_dict().values(), count_known=True) as live:
+        load_hf_weights(restored, tmp_path / "out")
+    whole = 4 * sum(t.numel() for t in dense_state_dict(original).values())
+    beyond = live.peak - live.start
+    assert beyond <= 2 * layer_shard < whole / 4, f"{beyond} bytes beyond the model ({layer_shard} a shard)"
+    for name, tensor in dense_state_dict(original).items():
+        expected = (
+            tensor.to(torch.bfloat16).float()
+            if ".mlp.shards." in name and ".shards.0." not in name
+            else tensor
+        )
+        torch.testing.assert_close(dense_state_dict(restored)[name], expected, atol=0, rtol=0)
+
+
+def test_load_hf_weights_reads_the_checkpoints_transformers_writes(tmp_path):
+    """transformers' own `save_pretrained` (its layout of the experts, sharded files with an index) loads with the
+    same logits."""
+    from spes_node.model.hf_interop import to_hf_config
+
+    cfg = tiny_config()
+    torch.manual_seed(3)
+    hf_model = AutoModelForCausalLM.from_config(to_hf_config(cfg.model)).eval()
+    hf_model.save_pretrained(tmp_path / "hf", max_shard_size="200KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+    apply_ownership(model, [2], "fp32")
+    load_hf_weights(model, tmp_path / "hf")
+    tokens = torch.randint(0, cfg.model.vocab_size, (1, 24), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(tokens).logits, model.eval()(tokens).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_load_hf_weights_refuses_pickles_and_strays_in_one_line(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    cfg = tiny_config()
+    write_node_checkpoint(tmp_path / "node", cfg)
+    out = tmp_path / "out"
+    assert export("--checkpoint-dir", str(tmp_path / "node"), "--out", str(out)).exit_code == 0
+    model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+    tensors = load_file(out / "model.safetensors")
+    save_file({**tensors, "stray.weight": torch.zeros(2)}, out / "model.safetensors")
+    with pytest.raises(ValueError, match="holds stray.weight, which the model has no place for") as failure:
+        load_hf_weights(model, out)
+    assert "\n" not in str(failure.value)
+    del tensors["model.norm.weight"]
+    save_file(tensors, out / "model.safetensors")
+    with pytest.raises(ValueError, match="lacks model.norm.weight"):
+        load_hf_weights(model, out)
+    (out / "model.safetensors").rename(out / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="pickled weights are not read"):
+        load_hf_weights(model, out)

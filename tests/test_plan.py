@@ -439,3 +439,22 @@ def test_the_startup_figure_is_one_weight_made_as_measured(name, frozen_dtype):
         )
     assert live.now == sum(t.nbytes for t in model.state_dict().values())
     assert memory_plan(cfg, 1).host_startup - HOST_RUNTIME == live.peak - live.now > 0
+
+
+@pytest.mark.parametrize("name", ["tiny", "small"])
+@pytest.mark.parametrize("frozen_dtype", ["fp32", "bf16", "int8"])
+def test_the_init_from_figure_is_one_layers_shard_as_measured(tmp_path, name, frozen_dtype):
+    """`--init-from` loads a Hugging Face checkpoint (one matrix per expert, as an export writes it) one layer's
+    shard at a time: what it holds beyond the model, counted with torch's allocations on a real model (a frozen
+    shard's old buffers count until they are replaced), is the plan's figure."""
+    from spes_node.model.hf_checkpoint import load_hf_weights, save_hf_checkpoint
+    from spes_node.model.ownership import dense_state_dict
+
+    cfg = load_preset(name).replace(swarm={"frozen_dtype": frozen_dtype})
+    m, s = cfg.model, cfg.swarm
+    save_hf_checkpoint(cfg, dense_state_dict(initial_model(m, s.num_shards, 1)), tmp_path / "hf")
+    model = initial_model(m, s.num_shards, 2, owned=[0], frozen_dtype=frozen_dtype)
+    with LiveBytes(model.state_dict().values(), count_known=True) as live:
+        load_hf_weights(model, tmp_path / "hf")
+    assert live.now == live.start
+    assert memory_plan(cfg, 1).host_init_from - HOST_RUNTIME == live.peak - live.start

@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from spes_node.daemon.tensor_file import TensorFile, TensorFileError, write_tensors
 from spes_node.errors import SpesError
 from spes_node.files import fsync_dir, replace_dir
+from spes_node.tensor_file import TensorFile, TensorFileError, write_tensors
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     import torch
 
     from spes_node.config import SpesConfig
-    from spes_node.daemon.tensor_file import TensorFile
     from spes_node.swarm.records import NodeInfo
+    from spes_node.tensor_file import TensorFile
 
 logger = logging.getLogger(__name__)
 

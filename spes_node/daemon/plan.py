@@ -189,9 +189,12 @@ class MemoryPlan:
     host_startup: int
     """At startup, beside the runtime: one weight as it is made (drawn in fp32, then its stored form: bf16, or int8
     with the scaled copy and row scales) or read from a checkpoint being resumed; the model itself is on the device.
-    `--init-from` is not counted: it loads the Hugging Face checkpoint whole, in fp32."""
+    """
+    host_init_from: int
+    """At startup with `--init-from` instead, beside the runtime: one layer's shard put together in fp32 from a
+    Hugging Face checkpoint with one matrix per expert, then its stored form (`hf_checkpoint.load_hf_weights`)."""
     host_total: int
-    """The larger of the two."""
+    """The largest of the three."""
     device_memory: int | None = None
     """The card's memory as given (bytes)."""
     fits: bool | None = None
@@ -402,6 +405,13 @@ def memory_plan(
     host_startup = HOST_RUNTIME + max(
         4 * counts["embedding"], 4 * counts["head"], made * rows * m.hidden_size + scales
     )
+    # --init-from: a layer's shard in fp32 (gate/up and down) beside, at most, one expert's matrix being read or the
+    # gate/up's stored form (bf16; int8: its scaled fp32 copy, the int8 form and the row scales)
+    gate_up = rows * m.hidden_size
+    stored = {"fp32": 0, "bf16": 2 * gate_up, "int8": 5 * gate_up + scales}[s.frozen_dtype]
+    host_init_from = (
+        HOST_RUNTIME + 4 * (gate_up + gate_up // 2) + max(4 * m.expert_ffn * m.hidden_size, stored)
+    )
     plan = MemoryPlan(
         name=cfg.name,
         num_shards=s.num_shards,
@@ -441,7 +451,8 @@ def memory_plan(
         host_checkpoint_in_place=largest,
         host_running=host_running,
         host_startup=host_startup,
-        host_total=max(host_running, host_startup),
+        host_init_from=host_init_from,
+        host_total=max(host_running, host_startup, host_init_from),
         device_memory=device_memory,
     )
     if device_memory is not None:
@@ -583,6 +594,7 @@ def plan_table(plan: MemoryPlan) -> str:
     lines.append(f"{'total':<{width}}{format_bytes(plan.gpu_total):>12}{format_bytes(plan.host_running):>12}")
     lines.append(f"{startup:<{width}}{'':>12}{format_bytes(plan.host_startup):>12}")
     lines.append("")
+    lines.append(f"with --init-from: host at startup {format_bytes(plan.host_init_from)}")
     lines.append(
         f"with checkpoints written in place (--checkpoint-writes in-place): host "
         f"{format_bytes(plan.host_running - plan.host_checkpoint + plan.host_checkpoint_in_place)} while training "

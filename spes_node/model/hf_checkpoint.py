@@ -14,10 +14,13 @@ from spes_node.errors import error_line
 from spes_node.files import replace_dir
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     import torch
 
     from spes_node.config import ModelConfig, SpesConfig
     from spes_node.model.moe import MoEForCausalLM
+    from spes_node.tensor_file import TensorFile
 
 logger = logging.getLogger(__name__)
 
@@ -146,16 +149,18 @@ def per_expert_state_dict(weights: dict[str, torch.Tensor], cfg: ModelConfig) ->
 
 
 def load_hf_weights(model: MoEForCausalLM, hf_dir: str | Path) -> None:
-    """Load a Hugging Face OLMoE checkpoint directory (an export or `spes-node init`) into our model.
+    """Load a Hugging Face OLMoE checkpoint directory (an export, `spes-node init`, or transformers' own) into our
+    model, one tensor at a time.
 
     The checkpoint's architecture must be the model's; the model's ownership (which shards are frozen, and how)
-    is kept.
+    is kept. The weights are read from its safetensors files (`model.safetensors`, or the files its index names)
+    as they are needed, and each shard of a layer is put together and loaded alone: the host holds one layer's
+    shard in fp32 and its stored form (a layer's experts, when the file stores them fused), not the model. transformers'
+    `from_pretrained` built the whole model in fp32 first (25.8 GiB at spes-7b). Pickled weights are not read.
     """
-    import torch
-    from transformers import AutoConfig, OlmoeForCausalLM
+    from transformers import AutoConfig
 
-    from spes_node.model.hf_interop import from_hf_config, from_hf_state_dict
-    from spes_node.model.ownership import load_dense_state_dict
+    from spes_node.model.hf_interop import from_hf_config
 
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
@@ -172,9 +177,78 @@ def load_hf_weights(model: MoEForCausalLM, hf_dir: str | Path) -> None:
             raise ValueError(
                 f"model.{name}: the config says {getattr(model.cfg, name)!r} but {hf_dir} has {getattr(theirs, name)!r}"
             )
-    hf_model = OlmoeForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    state = from_hf_state_dict(hf_model.state_dict(), model.num_shards)
-    if model.cfg.tie_embeddings:
-        state.pop("lm_head.weight", None)
-    load_dense_state_dict(model, state)
+    try:
+        _load_tensors(model, _weight_files(hf_dir))
+    except ValueError as e:
+        raise ValueError(f"init weights: {hf_dir}: {error_line(e)}") from None
     logger.info(f"loaded initial weights from {hf_dir}")
+
+
+def _weight_files(hf_dir: Path) -> dict[str, TensorFile]:
+    """Each tensor's name in the checkpoint -> its safetensors file, opened to read one tensor at a time."""
+    from spes_node.tensor_file import TensorFile
+
+    index = hf_dir / f"{WEIGHTS_FILE}.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{index.name} does not read as an index: {error_line(e)}") from None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and Path(v).name == v for k, v in weight_map.items()
+        ):
+            raise ValueError(f"{index.name}: its weight_map is not a map of names to files in the directory")
+        files = {name: TensorFile(hf_dir / name) for name in set(weight_map.values())}
+        missing = [name for name, file in weight_map.items() if name not in files[file]]
+        if missing:
+            raise ValueError(f"{weight_map[missing[0]]} lacks {missing[0]}, which the index places there")
+        return {name: files[file] for name, file in weight_map.items()}
+    if (hf_dir / WEIGHTS_FILE).is_file():
+        single = TensorFile(hf_dir / WEIGHTS_FILE)
+        return dict.fromkeys(single, single)
+    raise ValueError(f"no {WEIGHTS_FILE} nor its index (pickled weights are not read)")
+
+
+def _load_tensors(model: MoEForCausalLM, files: Mapping[str, TensorFile]) -> None:
+    """Every weight of `model` from the checkpoint's tensors (transformers' names; experts one matrix per expert
+    or fused per layer), in fp32; every tensor of the checkpoint must be used."""
+    import torch
+
+    from spes_node.model.ownership import shared_parameters
+
+    cfg, used = model.cfg, set()
+
+    def read(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in files:
+            raise ValueError(f"it lacks {name}")
+        if tuple(files[name].shape(name)) != tuple(shape):
+            raise ValueError(f"{name} is {list(files[name].shape(name))}, the model's {list(shape)}")
+        used.add(name)
+        return files[name][name].float()
+
+    with torch.no_grad():
+        for name, p in shared_parameters(model).items():
+            p.copy_(read(name, p.shape))
+        ffn, d, per = cfg.expert_ffn, cfg.hidden_size, cfg.num_experts // model.num_shards
+        for layer_index, layer in enumerate(model.model.layers):
+            prefix = f"model.layers.{layer_index}.mlp.experts."
+            if f"{prefix}gate_up_proj" in files:  # fused: [experts, 2 ffn, d] and [experts, d, ffn]
+                gate_up = read(f"{prefix}gate_up_proj", (cfg.num_experts, 2 * ffn, d))
+                down = read(f"{prefix}down_proj", (cfg.num_experts, d, ffn))
+                for s, shard in enumerate(layer.mlp.shards):
+                    shard.load_dense(gate_up[s * per : (s + 1) * per], down[s * per : (s + 1) * per])
+                del gate_up, down
+                continue
+            for s, shard in enumerate(layer.mlp.shards):
+                gate_up, down = torch.empty(per, 2 * ffn, d), torch.empty(per, d, ffn)
+                for local, e in enumerate(range(s * per, (s + 1) * per)):
+                    gate_up[local, :ffn] = read(f"{prefix}{e}.gate_proj.weight", (ffn, d))
+                    gate_up[local, ffn:] = read(f"{prefix}{e}.up_proj.weight", (ffn, d))
+                    down[local] = read(f"{prefix}{e}.down_proj.weight", (d, ffn))
+                shard.load_dense(gate_up, down)
+                del gate_up, down
+    # the tied head is the embedding; older transformers saved rotary frequencies, which are recomputed
+    ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    unused = sorted(n for n in set(files) - used - ignored if not n.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise ValueError(f"it holds {unused[0]}, which the model has no place for")
