@@ -416,3 +416,21 @@ def test_load_hf_weights_refuses_pickles_and_strays_in_one_line(tmp_path):
     (out / "model.safetensors").rename(out / "pytorch_model.bin")
     with pytest.raises(ValueError, match="pickled weights are not read"):
         load_hf_weights(model, out)
+
+
+@pytest.mark.parametrize("frozen_dtype", ["bf16", "int8"])
+def test_a_model_made_without_drawing_takes_every_weight_from_the_checkpoint(tmp_path, frozen_dtype):
+    """`--init-from` makes the model without drawing its weights: loading the checkpoint writes every one of them,
+    so the model is the checkpoint's exactly (frozen shards at their storage precision)."""
+    from spes_node.model.hf_checkpoint import save_hf_checkpoint
+    from spes_node.model.initial import initial_model
+
+    cfg = tiny_config(frozen_dtype)
+    source = MoEForCausalLM(cfg.model, cfg.swarm.num_shards, seed=1)
+    save_hf_checkpoint(cfg, dense_state_dict(source), tmp_path / "hf")
+    apply_ownership(source, [1], frozen_dtype)
+    made = initial_model(cfg.model, cfg.swarm.num_shards, 9, owned=[1], frozen_dtype=frozen_dtype, draw=False)
+    load_hf_weights(made, tmp_path / "hf")
+    theirs = source.state_dict()
+    for name, tensor in made.state_dict().items():
+        assert tensor.dtype == theirs[name].dtype and torch.equal(tensor, theirs[name]), name

@@ -354,6 +354,7 @@ class Node:
             owned=self.shards,
             frozen_dtype=cfg.swarm.frozen_dtype,
             device=self.device,
+            draw=opts.init_from is None,  # else every weight comes from the checkpoint
         )
         if opts.init_from is not None:
             from spes_node.model.hf_checkpoint import load_hf_weights

@@ -29,10 +29,12 @@ def initial_model(
     owned: Iterable[int] | None = None,
     frozen_dtype: str = "fp32",
     device: torch.device | str = "cpu",
+    draw: bool = True,
 ) -> MoEForCausalLM:
     """The model of `seed` with the shards in `owned` trainable (all of them when None) and every other one frozen
     in `frozen_dtype`, on `device`: the weights of `MoEForCausalLM(cfg, num_shards, seed)` with `apply_ownership`
-    applied, made without an fp32 copy of the whole model."""
+    applied, made without an fp32 copy of the whole model. `draw=False` leaves the storage as allocated, for a
+    caller that writes every weight itself (`--init-from`; drawing spes-7b's weights takes a CPU core 1.5 minutes)."""
     with torch.device("meta"):
         model = MoEForCausalLM(cfg, num_shards)
     # the order and shapes the weights are drawn in: every expert weight is still a parameter here
@@ -43,7 +45,7 @@ def initial_model(
     if cfg.tie_embeddings:  # `to_empty` gives each module its own tensor
         model.lm_head.weight = model.model.embed_tokens.weight
     generator = torch.Generator().manual_seed(seed)
-    for name, shape in drawn:
+    for name, shape in drawn if draw else ():
         value = initial_value(cfg, name, shape, generator)
         module_name, _, attribute = name.rpartition(".")
         module = model.get_submodule(module_name)
