@@ -434,3 +434,33 @@ def test_a_model_made_without_drawing_takes_every_weight_from_the_checkpoint(tmp
     theirs = source.state_dict()
     for name, tensor in made.state_dict().items():
         assert tensor.dtype == theirs[name].dtype and torch.equal(tensor, theirs[name]), name
+
+
+def test_load_hf_weights_reads_experts_stored_fused(tmp_path):
+    """A file of transformers' in-memory state dict (each layer's experts in one fused tensor, as
+    `save_file(model.state_dict())` writes it) loads with the same logits, a layer's experts at a time."""
+    from safetensors.torch import save_file
+
+    from spes_node.model.hf_interop import to_hf_config
+
+    cfg = tiny_config()
+    torch.manual_seed(4)
+    hf_model = AutoModelForCausalLM.from_config(to_hf_config(cfg.model)).eval()
+    hf_model.config.save_pretrained(tmp_path / "hf")
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file(state, tmp_path / "hf" / "model.safetensors")
+    model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+    apply_ownership(model, [1], "bf16")
+    load_hf_weights(model, tmp_path / "hf")
+    tokens = torch.randint(0, cfg.model.vocab_size, (1, 24), generator=torch.Generator().manual_seed(6))
+    reference = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+    load_hf_weights(reference, tmp_path / "hf")
+    with torch.no_grad():
+        torch.testing.assert_close(
+            hf_model(tokens).logits, reference.eval()(tokens).logits, atol=1e-4, rtol=1e-4
+        )
+    for name, tensor in dense_state_dict(reference).items():
+        frozen = ".mlp.shards." in name and ".shards.1." not in name
+        expected = tensor.to(torch.bfloat16).float() if frozen else tensor
+        assert torch.equal(dense_state_dict(model)[name], expected), name
