@@ -3,7 +3,8 @@
 Each measure runs in a fresh subprocess (one torch thread). After its imports (and, for a resume, after the model is
 made) it resets the kernel's resident-set high-water mark (`/proc/self/clear_refs`), notes the resident size, does
 the work and reads the high-water mark (VmHWM). The first use of the meta device, which loads torch's meta
-registrations (a one-off part of the runtime, reported as `meta_runtime`), comes before. On a CPU the model and its AdamW moments are the node's own state,
+registrations (a one-off part of the runtime, reported as `meta_runtime`), comes before, as does the import of
+transformers' OLMoE for the `--init-from` phases. On a CPU the model and its AdamW moments are the node's own state,
 in the same memory; the measure is the growth beyond them, which is what the host of a GPU node holds at startup:
 
 - make: the model of a preset with 1 shard trainable and the others frozen at the preset's precision, as the node
@@ -103,8 +104,10 @@ def probe(kind: str, preset: str, directory: str) -> dict:
     if kind == "hf-write":
         from spes_node.model.hf_checkpoint import save_hf_checkpoint
         from spes_node.model.ownership import dense_state_dict
+        from spes_node.model.tokenizer import load_tokenizer
 
-        save_hf_checkpoint(cfg, dense_state_dict(model), hf_dir)
+        # the byte tokenizer: the preset's own would be downloaded, and only the weights are measured
+        save_hf_checkpoint(cfg, dense_state_dict(model), hf_dir, tokenizer=load_tokenizer("bytes"))
         return {"bytes": sum(f.stat().st_size for f in hf_dir.iterdir())}
     if kind in ("init-new", "init-old"):
 
@@ -122,6 +125,8 @@ def probe(kind: str, preset: str, directory: str) -> dict:
             hf_model = OlmoeForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
             state = from_hf_state_dict(hf_model.state_dict(), s.num_shards)
             load_dense_state_dict(model, state)
+
+        import transformers.models.olmoe.modeling_olmoe  # noqa: F401  (a one-off part of the runtime, as meta's)
 
         # the frozen shards' buffers are replaced as they load: the state is the model's, as before
         _, growth = _growth(init_new if kind == "init-new" else init_old)
