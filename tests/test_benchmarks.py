@@ -401,3 +401,17 @@ def test_throughput_steady_state_begins_at_the_first_sync_whatever_round_1_train
     assert rate["steady_seconds"] == 8.0 and rate["steady_tokens"] == 400
     assert rate["compute_share"] == 0.5
     assert rate["round_steps"] == [3, 2]
+
+
+def test_startup_memory_runs_every_phase_on_the_tiny_preset(tmp_path, monkeypatch):
+    """Each phase in a fresh process, as the benchmark runs them, in order (a resume reads what `write` wrote, an
+    init what `hf-write` wrote); the results file is written."""
+    from benchmarks import common, startup_memory
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path / "results")
+    results = startup_memory.run(tmp_path / "work", dict(startup_memory.SETTINGS, preset="tiny"))
+    assert results["make-new"]["state"] > 0 and results["write"]["bytes"] > 0
+    assert results["hf-write"]["bytes"] > 0
+    assert all(results[kind]["growth"] >= 0 for kind in ("make-new", "make-old", "init-new", "init-old"))
+    assert results["resume-new"]["state"] == results["resume-old"]["state"] > 0
+    assert (tmp_path / "results" / "startup_memory_tiny.json").is_file()
