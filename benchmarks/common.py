@@ -24,6 +24,17 @@ NODE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": 
 logger = logging.getLogger(__name__)
 
 
+def rss_kib(field: str = "VmRSS") -> int:
+    """A memory field of this process's /proc/self/status in KiB (VmRSS: resident now, VmHWM: its peak)."""
+    match = re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text())
+    return int(match.group(1)) if match else 0
+
+
+def reset_peak_rss() -> None:
+    """Reset this process's resident-set high-water mark (VmHWM) to its resident size now."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
 def machine_info() -> dict[str, Any]:
     """CPU model, cores, memory, library versions and the code revision the numbers belong to."""
     import hivemind

@@ -20,7 +20,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import subprocess
 import time
 from pathlib import Path
@@ -32,6 +31,8 @@ from benchmarks.common import (
     emit,
     mib,
     python_cmd,
+    reset_peak_rss,
+    rss_kib,
     table,
     write_result,
 )
@@ -49,15 +50,6 @@ SETTINGS = {
     "torch_threads": 1,
 }
 FROZEN_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
-
-
-def _status_kib(field: str) -> int:
-    match = re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text())
-    return int(match.group(1)) if match else 0
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")
 
 
 def probe(
@@ -89,8 +81,8 @@ def probe(
         def next_batch(self) -> torch.Tensor:
             return batch
 
-    _reset_peak()
-    baseline = _status_kib("VmRSS")
+    reset_peak_rss()
+    baseline = rss_kib("VmRSS")
     model = initial_model(  # as a node makes it
         cfg.model,
         num_shards,
@@ -99,12 +91,12 @@ def probe(
         frozen_dtype=frozen_dtype,
     )
     trainer = Trainer(cfg, model, SameBatch(), torch.device("cpu"))
-    build_peak = _status_kib("VmHWM") - baseline
-    _reset_peak()
+    build_peak = rss_kib("VmHWM") - baseline
+    reset_peak_rss()
     step_seconds = []
     for _ in range(steps):
         step_seconds.append(trainer.train_step().seconds)
-    train_peak = _status_kib("VmHWM") - baseline
+    train_peak = rss_kib("VmHWM") - baseline
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     return {

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from benchmarks.common import rss_kib
 from spes_node.cli import main as cli_main
 from spes_node.daemon import node as node_module
 from spes_node.daemon.node import Node
@@ -44,12 +44,6 @@ TIMELINE: dict = {
     "data_part": {},
     "no_sync": os.environ.get("SPES_BENCH_NO_SYNC") == "1",
 }
-
-
-def rss_kib(field: str = "VmRSS") -> int:
-    """A memory field of /proc/self/status in KiB (VmRSS: resident now, VmHWM: its peak)."""
-    match = re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text())
-    return int(match.group(1)) if match else 0
 
 
 def _counters(node: Node) -> dict:

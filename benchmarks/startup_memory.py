@@ -31,32 +31,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import LoadMonitor, emit, mib, python_cmd, table, write_result
+from benchmarks.common import LoadMonitor, emit, mib, python_cmd, reset_peak_rss, rss_kib, table, write_result
 
 PHASES = ("make-new", "make-old", "write", "resume-new", "resume-old", "hf-write", "init-new", "init-old")
 SETTINGS = {"preset": "spes-1b", "torch_threads": 1, "phases": list(PHASES)}
 
 
-def _status_kib(field: str) -> int:
-    match = re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text())
-    return int(match.group(1)) if match else 0
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")
-
-
 def _growth(work) -> tuple[object, int]:
-    _reset_peak()
-    baseline = _status_kib("VmRSS")
+    reset_peak_rss()
+    baseline = rss_kib("VmRSS")
     result = work()
-    return result, (_status_kib("VmHWM") - baseline) * 1024
+    return result, (rss_kib("VmHWM") - baseline) * 1024
 
 
 def probe(kind: str, preset: str, directory: str) -> dict:

@@ -11,6 +11,7 @@ reads a tensor when it is asked for, into a tensor of its own (no memory map), o
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import hashlib
 import json
 import math
@@ -98,9 +99,8 @@ class TensorFile(Mapping[str, torch.Tensor]):
 
     def to(self, device: torch.device | str) -> TensorFile:
         """The same tensors, each moved to `device` as it is read (the host holds one at a time)."""
-        other = object.__new__(TensorFile)
-        other.path, other.device = self.path, torch.device(device)
-        other._entries, other._start, other._keys = self._entries, self._start, self._keys
+        other = copy.copy(self)  # the header as read, shared
+        other.device = torch.device(device)
         return other
 
     def __getitem__(self, key: str) -> torch.Tensor:

@@ -389,25 +389,20 @@ def memory_plan(
     host_refresh = wire * frozen_params
     # frozen experts only when checkpoints hold them (a resume without them refetches them from the swarm)
     host_checkpoint = weights + optimizer + (frozen if t.checkpoint_frozen_experts else 0) + nesterov
+    # a layer's gate_up of one shard's experts: its largest expert tensor
+    rows = (m.num_experts // s.num_shards) * 2 * m.expert_ffn
+    gate_up = rows * m.hidden_size
     # written in place, one tensor at a time: the largest is the embedding (or the head), or a layer's gate_up of
     # the held shard's experts; each in fp32, as are its AdamW moments
-    largest = 4 * max(
-        counts["embedding"],
-        counts["head"],
-        (m.num_experts // s.num_shards) * 2 * m.expert_ffn * m.hidden_size,
-    )
+    largest = 4 * max(counts["embedding"], counts["head"], gate_up)
     host_running = HOST_RUNTIME + outer + host_averager + host_snapshots + host_refresh + host_checkpoint
     # made one weight at a time: the largest shared weight in fp32, or a shard's gate_up drawn in fp32 beside its
     # stored form (`moe.stored_form`: bf16, or int8 from a scaled fp32 copy, with fp32 row scales)
     made = {"fp32": 4, "bf16": 4 + 2, "int8": 4 + 4 + 1}[s.frozen_dtype]
-    rows = (m.num_experts // s.num_shards) * 2 * m.expert_ffn
     scales = 4 * rows if s.frozen_dtype == "int8" else 0
-    host_startup = HOST_RUNTIME + max(
-        4 * counts["embedding"], 4 * counts["head"], made * rows * m.hidden_size + scales
-    )
+    host_startup = HOST_RUNTIME + max(4 * counts["embedding"], 4 * counts["head"], made * gate_up + scales)
     # --init-from: a layer's shard in fp32 (gate/up and down) beside, at most, one expert's matrix being read or the
     # gate/up's stored form (bf16; int8: its scaled fp32 copy, the int8 form and the row scales)
-    gate_up = rows * m.hidden_size
     stored = {"fp32": 0, "bf16": 2 * gate_up, "int8": 5 * gate_up + scales}[s.frozen_dtype]
     host_init_from = (
         HOST_RUNTIME + 4 * (gate_up + gate_up // 2) + max(4 * m.expert_ffn * m.hidden_size, stored)
