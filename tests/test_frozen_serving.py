@@ -11,6 +11,7 @@ import torch
 from hivemind.compression import NoCompression, deserialize_torch_tensor
 from hivemind.utils.streaming import combine_from_streaming
 
+from spes_node.aio import LoopThread
 from spes_node.config import load_preset
 from spes_node.model.moe import MoEForCausalLM, read_stored
 from spes_node.model.ownership import apply_ownership, frozen_shard_buffers, load_shard_tensors, shard_tensors
@@ -99,3 +100,32 @@ def test_the_server_streams_a_frozen_part_and_withdraws_it_once_its_buffers_are_
     load_shard_tensors(model, 1, {k: v + 1.0 for k, v in dense.items()})
     assert _served(server, "copy:1", 3) == (None, {}), "a replaced copy is not served"
     assert "copy:1" not in server.snapshots and server.bytes_sent == sent
+
+
+def test_a_merge_round_serves_its_shard_only_once_merged_and_its_merge_inputs_as_premerge():
+    # a node that joins or catches up during a holder's merge asks for the shard of that round: it must get the
+    # merged weights (what the holder's round ends with), never the merge's inputs under the round's name
+    server = StateServer(p2p=None, run_id="r", config_hash="h", compression=NoCompression())
+    loop = LoopThread("test-publisher")
+    try:
+        loop.run(_condition(server))  # the server's state, without a p2p to listen on
+        publisher = SnapshotPublisher(server, loop, torch.float32)
+        before, inputs, merged = ({"w": torch.full((3,), value)} for value in (1.0, 2.0, 3.0))
+        publisher.publish(4, {}, {0: before}, {})
+        publisher.publish(5, {}, {0: inputs}, {}, premerge=[0])
+        assert server.snapshots["shard:0"].round == 4, "the merge inputs were served as round 5's shard"
+        assert torch.equal(server.snapshots["premerge:0"].tensors["w"], inputs["w"])
+        waiting = loop.submit(server._wait_for("shard:0", min_round=5, timeout=30))
+        publisher.publish(5, {}, {0: merged}, {}, restart=True)
+        served = waiting.result(30)
+        assert served.round == 5 and torch.equal(served.tensors["w"], merged["w"])
+        # the merge inputs stay served for the round (slower replicas merge from them), then go
+        assert torch.equal(server.snapshots["premerge:0"].tensors["w"], inputs["w"])
+        publisher.publish(6, {}, {0: merged}, {})
+        assert "premerge:0" not in server.snapshots
+    finally:
+        loop.stop()
+
+
+async def _condition(server: StateServer) -> None:
+    server._updated = asyncio.Condition()

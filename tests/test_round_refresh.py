@@ -224,3 +224,58 @@ def test_an_overlapped_round_copies_only_the_groups_that_need_their_sent_weights
             assert spes_round.differences == (not copied), swarm
         finally:
             spes_round.loop.stop()
+
+
+def test_a_node_taking_the_swarm_state_takes_its_own_shard_of_the_shared_parameters_round():
+    """The records a catching-up node reads may be a round old: the shared parameters then come of a later round
+    than the records say. Its own shard must be of that round too (a holder in the middle of a merge still serves
+    the round before's), and of an earlier one only when no holder serves that round; a frozen copy is of any round
+    the records allow."""
+    import torch
+
+    from spes_node.model.moe import MoEForCausalLM
+    from spes_node.model.ownership import apply_ownership, shard_tensors, shared_parameters
+    from spes_node.swarm.transfer import Download, TransferError
+
+    cfg = load_preset("tiny").replace(swarm={"num_shards": 2})
+    model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+    apply_ownership(model, [0])
+    asked = []
+
+    class Publisher:
+        def publish(self, *args, **kwargs):
+            pass
+
+    class Fetcher:
+        def __init__(self, newest: dict[str, int]):
+            self.newest = newest  # the newest round each part is served at
+
+        def holders(self, nodes, shard, banned):
+            return ["holder"]
+
+        def sources(self, nodes, shard, banned):
+            return ["holder"], f"shard:{shard}"
+
+        async def fetch(self, peers, part, expected, min_round, exact=False, split=True):
+            asked.append((part, min_round))
+            if self.newest[part] < min_round:
+                raise TransferError(f"no {part} of round {min_round}")
+            tensors = shared_parameters(model) if part == "shared" else shard_tensors(model, int(part[-1]))
+            served = {name: torch.zeros_like(t) for name, t in tensors.items()}
+            return "holder", Download(self.newest[part], served, 0, 0.0, ("holder",))
+
+    spes_round = _round(cfg, threading.Event(), model)
+    try:
+        spes_round.reset_outer()
+        spes_round.publisher = Publisher()
+        spes_round.fetcher = Fetcher({"shared": 20, "shard:0": 20, "shard:1": 20})
+        taken = spes_round.take_swarm_state({}, 3, min_round=19)
+        assert taken.round == 20
+        assert asked == [("shared", 19), ("shard:0", 20), ("shard:1", 19)], asked
+
+        asked.clear()
+        spes_round.fetcher = Fetcher({"shared": 20, "shard:0": 19, "shard:1": 19})
+        assert spes_round.take_swarm_state({}, 3, min_round=19).round == 20
+        assert asked == [("shared", 19), ("shard:0", 20), ("shard:0", 19), ("shard:1", 19)], asked
+    finally:
+        spes_round.loop.stop()

@@ -660,11 +660,14 @@ class SpesRound:
             elif resyncs:
                 # serve this round's state before taking any: a member we take one part from may be taking
                 # another part from us at the same moment, and neither may wait on the other's download
-                self.publish_snapshots(report.round)
+                self.publish_snapshots(report.round, premerge=merge_due_at(report.round, self.cfg.swarm))
                 for key, anchor_id, peers, their_round, norm in resyncs:
                     self._resync(report, key, anchor_id, peers, their_round, norm)
             own_taken = any(part.startswith("shard:") for part in report.resynced)
-            report.refreshed, report.merged = self._refresh_and_merge(nodes, report.round, own_taken)
+            # a state taken from the swarm is merged already when the round was a merge round
+            report.refreshed, report.merged = self._refresh_and_merge(
+                nodes, report.round, own_taken, merge=report.state_taken is None
+            )
             self._maybe_rebalance(nodes, inputs.me, report.round)
             report.shards = self.shards
             report.data_part = next_data_part(nodes, self.peer_id, inputs.data_part) or inputs.data_part
@@ -742,9 +745,11 @@ class SpesRound:
         Weights from peers are untrusted: they are taken only if they lie within `resync_acceptable`'s distance
         of ours (a few of this round's averaged updates, `norm`); a node further off catches up instead."""
         part = "shared" if key == "shared" else f"shard:{key[len('shard') :]}"
+        # in a merge round, the group's weights before the merge (we merge them ourselves after this)
+        source = part if key == "shared" or not merge_due_at(their_round, self.cfg.swarm) else f"pre{part}"
         try:
             _, download = self.loop.run(
-                self.fetcher.fetch(peers, part, self._expected(part), their_round, exact=True)
+                self.fetcher.fetch(peers, source, self._expected(part), their_round, exact=True)
             )
         except TransferError as e:
             logger.warning(f"{part}: keeps an anchor of its own this round: {e}")
@@ -786,11 +791,14 @@ class SpesRound:
             return {k: v.shape for k, v in shared_parameters(self.model).items()}
         return shard_shapes(self.model, _shard_of(part))
 
-    def _refresh_and_merge(self, nodes: dict, round_: int, own_taken: bool = False) -> tuple[int, bool]:
-        """Refresh frozen experts (in the background) and run the merge warm-up when due; (refreshed, merged).
-        `own_taken`: an own shard's weights were taken from its group after this round was first published."""
+    def _refresh_and_merge(
+        self, nodes: dict, round_: int, own_taken: bool = False, merge: bool = True
+    ) -> tuple[int, bool]:
+        """Refresh frozen experts (in the background) and run the merge warm-up when due (and `merge`: not when
+        the round's state was taken from the swarm, merged already); (refreshed, merged). `own_taken`: an own
+        shard's weights were taken from its group after this round was first published."""
         swarm = self.cfg.swarm
-        due_refresh, due_merge = refresh_due(round_, swarm), merge_due_at(round_, swarm)
+        due_refresh, due_merge = refresh_due(round_, swarm), merge and merge_due_at(round_, swarm)
         # The merge reads every expert as it was before anyone merged: holders serve that state as
         # "premerge:<j>" for this round only, and every node merges from the same copies, so replicas stay identical.
         self.publish_snapshots(round_, premerge=due_merge, restart=own_taken)
@@ -831,8 +839,9 @@ class SpesRound:
         self, nodes: Mapping[str, records.NodeInfo], round_: int, min_round: int = 0, include_own: bool = True
     ) -> StateTaken | None:
         """Take the swarm's current weights: shared parameters and every shard (own shards only if `include_own`),
-        each of round `min_round` or later. `round_`: the node's round now. None if not even the shared
-        parameters could be had (the model is then unchanged)."""
+        each of round `min_round` or later, own shards of the shared parameters' round or later where a holder
+        serves it. `round_`: the node's round now. None if not even the shared parameters could be had (the model
+        is then unchanged)."""
         start = time.perf_counter()
         excluded = self.bans.active()
         shared_peers = self.fetcher.holders(nodes, None, excluded)
@@ -857,10 +866,15 @@ class SpesRound:
             # a frozen copy of the holder's served shard; one that will follow the holder's updates comes whole
             frozen = shard not in self.shards and part == f"shard:{shard}"
             follows = frozen and self.cfg.swarm.refresh_by_updates
+            # a shard we train is of the shared parameters' round (the records read may be a round old): one of an
+            # earlier round would pull its replicas back, and during a holder's merge it is the round before
+            rounds = (
+                [shared.round, min_round]
+                if shard in self.shards and shared.round > min_round
+                else [min_round]
+            )
             try:
-                peer, download = self.loop.run(
-                    self.fetcher.fetch(peers, part, self._expected(part), min_round, split=not follows)
-                )
+                peer, download = self._fetch_first_round(peers, part, rounds, split=not follows)
             except TransferError as e:
                 logger.warning(f"shard {shard} keeps its local weights: {e}")
                 continue
@@ -876,6 +890,18 @@ class SpesRound:
             f"downloaded the swarm state ({total / 1e6:.2f} MB) in {taken.seconds:.1f}s, round {round_}"
         )
         return taken
+
+    def _fetch_first_round(self, peers: list[str], part: str, rounds: list[int], split: bool):
+        """(peer, download) of `part` of the first of `rounds` (each a least round) its holders serve."""
+        for i, min_round in enumerate(rounds):
+            try:
+                return self.loop.run(
+                    self.fetcher.fetch(peers, part, self._expected(part), min_round, split=split)
+                )
+            except TransferError as e:
+                if i == len(rounds) - 1:
+                    raise
+                logger.info(f"no {part} of round {min_round} or later ({e}): taking an earlier round's")
 
     def _maybe_rebalance(self, nodes: dict, me: records.NodeInfo, round_: int) -> None:
         """Leave one of our shards for the one placement sends us to, if this node is the one to move

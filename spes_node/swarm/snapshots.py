@@ -2,7 +2,8 @@
 
 Parts: "shared" (shared parameters), "shard:<j>" for each shard the node trains, "copy:<j>" for the frozen copy
 it keeps of every other shard, and "premerge:<j>" for an own shard's weights before a merge warm-up (served for
-that round only: slower replicas fetch it after our merge). Snapshots of trained weights are CPU copies at wire
+that round only: slower replicas fetch it after our merge). In a merge round, "shard:<j>" of the round is the
+merged shard only: a node that joins or catches up then never takes the weights before the merge as the round's. Snapshots of trained weights are CPU copies at wire
 precision, never views of the live weights; frozen copies are read from their own buffers when asked for, since
 those are never changed in place (`transfer.Deferred`).
 
@@ -97,7 +98,8 @@ class SnapshotPublisher:
         restart: bool = False,
     ) -> None:
         """Serve the state of round `round_`: the shared parameters, the own shards and copies of the frozen ones;
-        the own shards in `premerge` also as "premerge:<j>" (this round's merge inputs). `restart`: the own shards'
+        the own shards in `premerge` as "premerge:<j>" (this round's merge inputs) instead of "shard:<j>", which the
+        merged weights' publish serves. `restart`: the own shards'
         weights changed within a round already published (a merge, weights taken from the swarm): their update
         chains start again from these weights, and followers take the whole shard next."""
         with self._lock:
@@ -115,11 +117,13 @@ class SnapshotPublisher:
         for shard, tensors in own.items():
             self._run(self.server.withdraw(f"copy:{shard}"))
             copied = cpu_copy(tensors, self.dtype)
-            self._put(round_, f"shard:{shard}", copied)
             if shard in premerge:
+                # not the round's "shard:<j>": that is the merged shard, published after the merge. Until then
+                # the one before stays served, and a node taking the state of this round waits for the merged one
                 self._put(round_, f"premerge:{shard}", copied)
-            else:
-                self._withdraw_stale_premerge(shard, round_)
+                continue
+            self._put(round_, f"shard:{shard}", copied)
+            self._withdraw_stale_premerge(shard, round_)
             if self.updates:
                 self._advance_chain(shard, round_, copied, restart)
 
