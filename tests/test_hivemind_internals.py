@@ -19,6 +19,7 @@ from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.partition import TensorPartReducer
 from hivemind.p2p import P2P
+from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
 from hivemind.utils.mpfuture import MPFuture
 from hivemind_locks import renew_wedged_hivemind_locks
 
@@ -88,6 +89,18 @@ def test_bans_travel_on_the_averagers_command_pipe():
     run_internal = inspect.getsource(DecentralizedAverager._run_internal)
     assert "method, args, kwargs = self._inner_pipe.recv()" in run_internal
     assert "getattr(self, method)(*args, **kwargs)" in run_internal
+
+
+def test_a_dead_averagers_handlers_can_be_released_in_the_name_of_its_socket():
+    # handlers.Registration reads a replica's client socket from a private attribute, set where the replica is made;
+    # the averager registers its RPCs through add_p2p_handlers, which RobustAverager overrides to note where; the
+    # bindings remove a stream handler for their own listening socket and then drop their entry for it
+    assert "self._client_listen_maddr = " in inspect.getsource(P2P.replicate)
+    assert "await self.add_p2p_handlers(self._p2p, namespace=self.prefix)" in inspect.getsource(
+        DecentralizedAverager._run_internal
+    )
+    remove = inspect.getsource(ControlClient.remove_stream_handler)
+    assert "addr=self.listen_maddr.to_bytes()" in remove and "del self.handlers[proto]" in remove
 
 
 def _hold_until_killed(lock, held) -> None:

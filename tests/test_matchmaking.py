@@ -3,13 +3,16 @@ the rule itself, which never refuses a joiner for a full group."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from hivemind.p2p import PeerID
 
-from spes_node.swarm.averaging import GroupAverager
+from spes_node.swarm.averaging import GroupAverager, StepHandle
 from spes_node.swarm.robust import SpesMatchmaking
 
 TENSORS = {"w": torch.zeros(1000)}
@@ -159,3 +162,65 @@ def test_hivemind_begins_a_group_at_its_target_size_and_refuses_past_it():
     bare.target_group_size = None  # what hivemind's constructor sets
     with pytest.raises(ValueError):
         bare.target_group_size = 4
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(600)
+def test_an_averager_whose_process_was_killed_is_restarted_and_averages_again(dhts):
+    # the OOM killer picks the largest helper, often an averager: its group would never average again, and each
+    # step on it would wait out its whole deadline. `healthy` sees it at once; a restart starts a new process on the
+    # group's live weights, which then averages with the others
+    ids = [dht.peer_id.to_base58() for dht in dhts[:2]]
+    expected = [[ids[1]], [ids[0]]]
+    group = [
+        GroupAverager(dht, "test_mm_restart", TENSORS, compression="none", matchmaking_time=30.0,
+                      allreduce_timeout=60.0, client_mode=False)
+        for dht in dhts[:2]
+    ]  # fmt: skip
+    try:
+        killed = group[0].averager
+        os.kill(killed.pid, signal.SIGKILL)
+        killed.join(30)
+        assert not group[0].healthy and group[1].healthy
+        live = {"w": torch.full((1000,), 3.0)}
+        group[0].restart(live)
+        assert group[0].healthy and group[0].averager.pid != killed.pid and group[0].restarts == 1
+        with group[0].averager.get_tensors() as buffers:
+            assert torch.equal(buffers[0], live["w"]), "the new averager starts from the live weights"
+        handles = [
+            averager.step({"w": torch.full((1000,), float(2 * i + 1))}, 1.0, (0, 0, 1), expected=expected[i])
+            for i, averager in enumerate(group)
+        ]
+        for result, averaged in (a.finish(h) for a, h in zip(group, handles)):
+            assert result.group_size == 2 and not result.error, result
+            assert torch.allclose(averaged["w"], torch.full((1000,), 2.0)), averaged["w"][:4]
+    finally:
+        for averager in group:
+            averager.shutdown()
+
+
+def test_an_averager_that_gave_no_outcome_in_time_is_unhealthy_until_restarted(dhts):
+    averager = GroupAverager(dhts[0], "test_mm_wedged", TENSORS, compression="none", matchmaking_time=2.0,
+                             allreduce_timeout=5.0, client_mode=False, step_grace=0.0)  # fmt: skip
+    try:
+        assert averager.healthy
+        # a step whose outcome never comes (a hung averager loop), past its deadline
+        never = SimpleNamespace(result=_never_within, cancel=lambda: None)
+        result, averaged = averager.finish(StepHandle(never, time.perf_counter(), time.perf_counter() + 0.2))
+        assert averaged is None and "unresponsive" in result.error
+        assert not averager.healthy and averager.averager.is_alive()
+        old = averager.averager
+        averager.restart(TENSORS)
+        assert averager.healthy and not old.is_alive(), (
+            "the old process is ended, not left beside the new one"
+        )
+        with pytest.raises(ValueError, match="same tensors"):
+            averager.restart({"v": torch.zeros(1000)})
+    finally:
+        averager.shutdown()
+
+
+def _never_within(timeout: float):
+    """A step control's `result` when the outcome never comes: it times out (as `concurrent.futures` does)."""
+    time.sleep(timeout)
+    raise TimeoutError

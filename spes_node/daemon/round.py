@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import hivemind
 import torch
@@ -412,6 +413,7 @@ class SpesRound:
         `complete_round` later applies the average together with the local progress made since; with
         `overlap_shards`, the same for the shards' groups only, once `land_shared` has applied the shared one."""
         self.finish_pending()
+        self._restart_unhealthy_averagers()
         gather = (inputs.round, inputs.step, inputs.tokens_since_sync)
         # steps past H (trained while waiting for slower peers) weigh nothing more: every reducer counts a weight
         # as at most H steps' tokens (`max_weight`), so that no peer can claim most of a group's average
@@ -433,16 +435,13 @@ class SpesRound:
         def step(averager: GroupAverager, key: str, local: dict[str, torch.Tensor], expected: list[str]):
             # a group led by us begins once every expected peer has joined, not at the end of the window
             if not self.updates:
-                return self._unless_stopped(
-                    lambda: averager.step(local, weight, gather, extra, expected=expected), key, errors
+                start = partial(averager.step, local, weight, gather, extra, expected=expected)
+            else:
+                anchored = (*gather, self.anchor_ids[key])
+                start = partial(
+                    averager.step, local, weight, anchored, extra, anchor=self.anchor(key), expected=expected
                 )
-            anchored = (*gather, self.anchor_ids[key])
-            anchor = self.anchor(key)
-            return self._unless_stopped(
-                lambda: averager.step(local, weight, anchored, extra, anchor=anchor, expected=expected),
-                key,
-                errors,
-            )
+            return self._unless_stopped(start, key, errors, averager=averager)
 
         shard_handles = {}
         for shard, local in shards_local.items():
@@ -519,11 +518,16 @@ class SpesRound:
         return longest_wait(etas, cap), etas
 
     def _unless_stopped(
-        self, start: Callable[[], StepHandle], key: str, errors: list[str], timeout: float | None = None
+        self,
+        start: Callable[[], StepHandle],
+        key: str,
+        errors: list[str],
+        timeout: float | None = None,
+        averager: GroupAverager | None = None,
     ) -> StepHandle | None:
         """`start()`, an averager's step, run in a thread; None (no group) if the node stops first, or if the step
         has not started after `timeout` seconds (by default twice the matchmaking window and a grace), which is
-        added to `errors`.
+        added to `errors` (and `averager` is marked unresponsive: the next round replaces it).
 
         A step waits, without a timeout, for its averager process to take it (and for the lock of the shared
         buffers): an averager process that hangs (its DHT frozen, its loop wedged) would otherwise hold the round,
@@ -552,10 +556,33 @@ class SpesRound:
                 )
                 logger.error(error)
                 errors.append(error)
+                if averager is not None:
+                    averager.unresponsive = True
                 return None
         if "error" in box:
             raise box["error"]
         return box["handle"]
+
+    def _restart_unhealthy_averagers(self) -> None:
+        """Replace each averager whose process died (the OOM killer picks the largest helper) or that did not take
+        or end its last step in time, on the group's live weights: it would otherwise cost every round a step's
+        deadline, and its group would never average again."""
+        groups = [(self.shared_avg, "shared", shared_parameters(self.model))]
+        groups += [(self.shard_avgs.get(s), f"shard{s}", shard_tensors(self.model, s)) for s in self.shards]
+        for averager, key, tensors in groups:
+            if averager is None or averager.healthy:
+                continue
+            why = (
+                "did not take or end its step in time"
+                if averager.unresponsive
+                else f"process exited (code {averager.averager.exitcode})"
+            )
+            logger.warning(f"{key}: the averager {why}: starting a new one")
+            try:
+                averager.restart(tensors)
+            except Exception as e:
+                # no new process (no memory, the DHT gone): this round goes without the group, the next tries again
+                logger.error(f"{key}: the averager could not be restarted: {type(e).__name__}: {e}")
 
     def land_shared(self) -> None:
         """Overlapping the shards only: wait for the shared parameters' all-reduce and apply its result now, before

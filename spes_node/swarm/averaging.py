@@ -38,6 +38,7 @@ import string
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -121,6 +122,8 @@ class StepHandle(NamedTuple):
 
 
 STEP_GRACE_SECONDS = 30.0
+RESTART_EXIT_SECONDS = 5.0
+"""How long a restart waits for the old averager process to exit after SIGTERM, then after SIGKILL."""
 MAX_WORK_RATIO = 16.0
 """Updates mode: how much a sender's claimed work (tokens trained since the sync) beyond a full round, or beyond
 ours if more, can widen its distance limit (`RobustPolicy.max_work_ratio`; our own update is also scaled up to a
@@ -164,8 +167,11 @@ class GroupAverager:
         self.matchmaking_time, self.allreduce_timeout = matchmaking_time, allreduce_timeout
         self.client_mode = client_mode
         self.step_grace = step_grace
-        self.averager = RobustAverager(
-            shared_buffers(tensors),
+        self.unresponsive = False
+        """Set when the averager did not take a step, or gave no outcome, in time: see `healthy`."""
+        self.restarts = 0
+        self._start = partial(
+            RobustAverager,
             dht=dht,
             prefix=prefix,
             min_group_size=2,
@@ -188,6 +194,33 @@ class GroupAverager:
             error_feedback=error_feedback,
             start=True,
         )
+        self.averager = self._start(shared_buffers(tensors))
+
+    @property
+    def healthy(self) -> bool:
+        """The averager process is alive and took its last step and gave its outcome in time. A process the OOM
+        killer ended, or one whose loop hangs, would otherwise cost every round a step's whole deadline, and its
+        group would never average again."""
+        return not self.unresponsive and self.averager.is_alive()
+
+    def restart(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Replace the averager process with a new one on `tensors` (the group's live weights): the old one is
+        terminated, then killed if it does not exit. The error-feedback residual starts again from zero; a step
+        thread left waiting on the old process stays blocked (a daemon thread)."""
+        if list(tensors) != self.names:
+            raise ValueError(f"{self.prefix}: a restart needs the same tensors, in the same order")
+        old = self.averager
+        if old.is_alive():
+            old.terminate()  # a helper exits with its children on SIGTERM (`procs.bind_to_parent`)
+            old.join(RESTART_EXIT_SECONDS)
+            if old.is_alive():
+                old.kill()
+                old.join(RESTART_EXIT_SECONDS)
+        if not self.client_mode:  # a client registers no handlers
+            old.release_handlers()
+        self.averager = self._start(shared_buffers(tensors))
+        self.unresponsive = False
+        self.restarts += 1
 
     @property
     def residual_bytes(self) -> int:
@@ -272,6 +305,7 @@ class GroupAverager:
             seconds = time.perf_counter() - start
             error = f"the averager gave no outcome in {seconds:.0f}s (unresponsive): step given up"
             logger.error(f"{self.prefix}: {error}")
+            self.unresponsive = True
             return GroupResult(1, seconds, 0, 0, error=error), None
         except Exception as e:  # hivemind raises several types for a failed round; none is fatal to us
             return GroupResult(1, time.perf_counter() - start, 0, 0, error=f"{type(e).__name__}: {e}"), None

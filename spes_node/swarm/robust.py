@@ -100,6 +100,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
 from spes_node.procs import bind_to_parent, release_inherited_tensors
+from spes_node.swarm.handlers import Registration, release_stream_handlers
 from spes_node.swarm.swarm_key import SwarmKey
 
 logger = logging.getLogger(__name__)
@@ -735,8 +736,28 @@ class RobustAverager(DecentralizedAverager):
             self.residual = tuple(torch.zeros_like(t).share_memory_() for t in self._averaged_tensors)
         self._banned: frozenset[PeerID] = frozenset()
         self._tag = swarm_key.join_tag(prefix, self.peer_id.to_bytes()) if swarm_key is not None else b""
+        self.registration = Registration()
+        """Where the averager process registers its RPCs with p2pd (`release_handlers`)."""
         if start:
             self.run_in_background(await_ready=True)
+
+    async def add_p2p_handlers(self, p2p, wrapper=None, *, namespace=None, balanced=False) -> None:
+        # in the averager process, as it starts: noted first, so that a registration is never left unnoted
+        self.registration.record(p2p)
+        await super().add_p2p_handlers(p2p, wrapper, namespace=namespace, balanced=balanced)
+
+    def release_handlers(self) -> int:
+        """Once the averager process is gone (killed, or ended by a restart): remove the RPCs it registered with the
+        node's p2pd, so that a new averager of the same group can register them (`handlers`). Returns how many."""
+        if self.is_alive():
+            raise RuntimeError(f"averager {self.prefix}: its process still runs and serves its handlers")
+        self._collect_rpc_handlers()
+        names = [
+            self._get_handle_name(self.prefix, handler.method_name)
+            for handler in self._rpc_handlers
+            if handler.stream_input or handler.stream_output
+        ]
+        return release_stream_handlers(self.registration, names)
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
         # hivemind sets SIGINT to "ignore" in the calling process before it forks the averager; the node handles
