@@ -174,6 +174,10 @@ class SwarmConfig:
     """H: local steps per round."""
     refresh_every: int = 1
     """Refresh frozen experts from their holders every this many rounds."""
+    refresh_parallel: int = 0
+    """Frozen shards a refresh downloads at once (0: every one). Each is held at snapshot precision from the start
+    of its download until it is loaded between steps, so this bounds what a refresh holds in host memory to that
+    many shards (9 GiB at spes-7b with every one); the others wait their turn."""
     refresh_by_updates: bool = True
     """Refresh a frozen copy of the last refresh by its holder's int8 update since then instead of the whole shard
     (holders keep one more fp16 copy of their own shards for it); false: always the whole shard."""
@@ -235,6 +239,9 @@ class SwarmConfig:
         )
         for name in ("sync_steps", "refresh_every", "replication_target", "merge_interval", "merge_horizon"):
             _require(getattr(self, name) > 0, f"swarm.{name}", "must be positive")
+        _require(
+            self.refresh_parallel >= 0, "swarm.refresh_parallel", "must be >= 0 (0: every shard at once)"
+        )
         _require(
             self.outer_optimizer in OUTER_OPTIMIZERS,
             "swarm.outer_optimizer",

@@ -258,3 +258,36 @@ def test_a_replica_moves_to_a_shard_nobody_holds_and_trains_it(tmp_path):
             assert (shard_tensors(model, new)[key] - before).abs().max() > 1e-3, f"{key} was not trained"
     finally:
         swarm.close()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(900)
+def test_frozen_shards_refreshed_one_at_a_time_end_as_their_holders_trained_them(tmp_path):
+    # swarm.refresh_parallel = 1: each node's two frozen shards download one after the other, the second once the
+    # first is loaded; after the last round each node's frozen copies are its partner's own shards as they ended
+    swarm = Swarm(
+        tmp_path, run_id="one-at-a-time", refresh_parallel=1, refresh_by_updates=False, matchmaking_time=4.0
+    )
+    try:
+        swarm.start("a", "--shards", "2", "--max-rounds", "3", "--wait-peers", "2")
+        swarm.wait_for(lambda: _record(swarm, "a"), 120, "a's record")
+        swarm.start("b", "--shards", "2", "--max-rounds", "3", "--wait-peers", "2")
+        for name in ("a", "b"):
+            assert swarm.wait_exit(name, 400) == 0, swarm.log(name)[-3000:]
+        checkpoints = {name: swarm.checkpoint(name) for name in ("a", "b")}
+        for name, partner in (("a", "b"), ("b", "a")):
+            assert re.search(r"refresh of round 3: 2 shard ", swarm.log(name)), swarm.log(name)[-3000:]
+            theirs = checkpoints[partner]
+            assert (
+                len(theirs.meta["shards"]) == 2
+                and theirs.meta["round"] == checkpoints[name].meta["round"] == 3
+            )
+            for tensor_name, tensor in theirs.tensors.items():
+                if (
+                    ".mlp.shards." in tensor_name
+                    and int(tensor_name.split(".mlp.shards.")[1].split(".")[0]) in theirs.meta["shards"]
+                ):
+                    mine = checkpoints[name].tensors[tensor_name].float()
+                    torch.testing.assert_close(mine, tensor.float(), rtol=2e-3, atol=2e-4, msg=tensor_name)
+    finally:
+        swarm.close()

@@ -5,6 +5,8 @@ import asyncio
 import threading
 import time
 
+import pytest
+
 from spes_node.aio import LoopThread
 from spes_node.config import load_preset
 from spes_node.daemon.frozen import FrozenCopies
@@ -279,3 +281,47 @@ def test_a_node_taking_the_swarm_state_takes_its_own_shard_of_the_shared_paramet
         assert asked == [("shared", 19), ("shard:0", 20), ("shard:0", 19), ("shard:1", 19)], asked
     finally:
         spes_round.loop.stop()
+
+
+@pytest.mark.parametrize("parallel, most", [(0, 3), (1, 1), (2, 2)])
+def test_a_refresh_holds_at_most_refresh_parallel_shards_until_each_is_loaded(parallel, most, monkeypatch):
+    """A shard downloaded for a refresh is held until it is loaded between steps: `refresh_parallel` bounds how many
+    are downloading or waiting to be loaded at once (0: every frozen shard); the others wait for a slot."""
+    import torch
+
+    from spes_node.model.moe import MoEForCausalLM
+    from spes_node.model.ownership import apply_ownership, load_shard_tensors
+    from spes_node.swarm.transfer import Download
+
+    cfg = load_preset("tiny").replace(
+        swarm={"num_shards": 4, "refresh_parallel": parallel, "refresh_by_updates": False}
+    )
+    model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+    apply_ownership(model, [0])
+    loop = LoopThread()
+    frozen = FrozenCopies(cfg, model, loop, threading.Event())
+    counts = {"started": 0, "loaded": 0, "most": 0}
+
+    class Fetcher:
+        def holders(self, nodes, shard, excluded=()):
+            return ["holder"]
+
+        async def fetch(self, peers, part, expected, min_round=0, exact=False, split=True):
+            counts["started"] += 1
+            counts["most"] = max(counts["most"], counts["started"] - counts["loaded"])
+            await asyncio.sleep(0.05)
+            tensors = {name: torch.zeros(shape) for name, shape in expected.items()}
+            return "holder", Download(min_round, tensors, 1, 0.0, ("holder",))
+
+    def counting_load(*args):
+        load_shard_tensors(*args)
+        counts["loaded"] += 1  # before the shard's slot is given back
+
+    try:
+        frozen.fetcher = Fetcher()
+        monkeypatch.setattr("spes_node.daemon.frozen.load_shard_tensors", counting_load)
+        frozen.start({}, 3, own=[0], excluded=())
+        assert frozen.finish(own=[0]) == 3, "every frozen shard is refreshed"
+        assert counts["most"] == most, counts
+    finally:
+        loop.stop()

@@ -1,7 +1,7 @@
 """Frozen experts: a node's copies of the shards it does not train, kept fresh from their holders.
 
 Every `refresh_every` rounds each frozen shard is downloaded in the background (`FrozenCopies.start`), every shard
-at once, each from its own holders: by the holder's update since the last refresh when the copy is of that refresh
+at once (or `swarm.refresh_parallel` at a time, a slot given back as a shard is loaded), each from its own holders: by the holder's update since the last refresh when the copy is of that refresh
 and came from that holder (`refresh_by_update`), by the whole shard otherwise. An update is added to the copy as soon as it
 arrives, off the training thread; what arrived waits at snapshot precision until the training thread loads it
 between steps (`apply`). A round waits for the refresh in flight, at most its timeout, before it reads the swarm's
@@ -15,8 +15,9 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
@@ -54,6 +55,8 @@ class Refresh:
     peer: str
     download: Download
     base: HeldCopy | None = None
+    release: Callable[[], None] | None = None
+    """Gives back the refresh's download slot (`swarm.refresh_parallel`) once the shard is loaded or dropped."""
 
 
 class FrozenCopies:
@@ -98,22 +101,37 @@ class FrozenCopies:
         # a copy that will follow its holder's updates comes whole from that holder, never split across several
         follows = kind == "shard" and swarm.refresh_by_updates
 
-        async def one(shard: int) -> Refresh | None:
+        async def one(shard: int, slots: asyncio.Semaphore | None) -> Refresh | None:
+            if slots is None:
+                return await download(shard, None)
+            await slots.acquire()
+            release = partial(self.loop.loop.call_soon_threadsafe, slots.release)
+            try:
+                refresh = await download(shard, release)
+            except BaseException:
+                slots.release()
+                raise
+            if refresh is None:
+                slots.release()
+            return refresh
+
+        async def download(shard: int, release: Callable[[], None] | None) -> Refresh | None:
+            """The shard's refresh, put where `apply` finds it (and gives its slot back), or None."""
             refresh, held, spent = None, by_update.get(shard), 0
             if held is not None:
-                download = await self.fetcher.fetch_update(
+                update = await self.fetcher.fetch_update(
                     held.peer, f"update:{shard}", expected[shard], held.round + swarm.refresh_every
                 )
-                if download is not None:
+                if update is not None:
                     # added to the copy now, off the training thread: what waits for the next round is the new
                     # copy at snapshot precision, not the decoded update in fp32 beside it
-                    refresh = await asyncio.to_thread(self.follow, shard, held, download)
-                    spent = 0 if refresh is not None else download.nbytes  # a misfit: the whole shard next
+                    refresh = await asyncio.to_thread(self.follow, shard, held, update)
+                    spent = 0 if refresh is not None else update.nbytes  # a misfit: the whole shard next
                 elif held.round >= min_round:
                     return None  # the copy is of the round asked for already
             if refresh is None:
                 try:
-                    peer, download = await self.fetcher.fetch(
+                    peer, whole = await self.fetcher.fetch(
                         holders[shard],
                         f"{kind}:{shard}",
                         expected[shard],
@@ -124,16 +142,19 @@ class FrozenCopies:
                 except TransferError as e:
                     logger.warning(f"refresh of shard {shard} skipped: {e}")
                     return None
-                refresh = Refresh(kind, peer, download)
+                refresh = Refresh(kind, peer, whole)
+            refresh = replace(refresh, release=release)
             with self._pending_lock:
                 self._bytes += refresh.download.nbytes + spent
                 self._pending[shard] = refresh
             return refresh
 
         async def refresh():
-            # every shard at once, each from its own holders: the downloads share the links of several peers
-            # instead of taking turns (what is held at the end is the same: every refreshed shard until applied)
-            done = await asyncio.gather(*(one(shard) for shard in wanted if holders[shard]))
+            # every shard at once (or `refresh_parallel` at a time), each from its own holders: the downloads share
+            # the links of several peers instead of taking turns. A shard's slot is given back once it is loaded
+            # between steps, so that no more than that many are ever held
+            slots = asyncio.Semaphore(swarm.refresh_parallel) if swarm.refresh_parallel else None
+            done = await asyncio.gather(*(one(shard, slots) for shard in wanted if holders[shard]))
             done = [r for r in done if r is not None]
             by_part = {}
             for r in done:
@@ -163,23 +184,32 @@ class FrozenCopies:
         with self._pending_lock:
             pending, self._pending = self._pending, {}
         applied = 0
-        for shard, refresh in pending.items():
-            if shard in own:
-                continue
-            held = self.held.pop(shard, None)
-            if refresh.part == "update" and held != refresh.base:
-                logger.warning(
-                    f"shard {shard}: the copy changed while its update of round {refresh.download.round} "
-                    "downloaded: not applied"
-                )
-                continue
-            load_shard_tensors(self.model, shard, refresh.download.tensors)
-            applied += 1
-            # a premerge copy is no round's served shard: the next refresh takes the whole shard
-            if refresh.part != "premerge":
-                updates = held.updates + 1 if refresh.part == "update" else 0
-                self.held[shard] = HeldCopy(refresh.download.round, refresh.peer, updates)
+        while pending:
+            shard, refresh = pending.popitem()
+            release = refresh.release
+            applied += self._load(shard, refresh, own)
+            del refresh  # its download is let go before the next shard's may begin
+            if release is not None:
+                release()
         return applied
+
+    def _load(self, shard: int, refresh: Refresh, own: Collection[int]) -> int:
+        """One shard's refresh into the model (1), or not (0: trained here now, or its update fits no more)."""
+        if shard in own:
+            return 0
+        held = self.held.pop(shard, None)
+        if refresh.part == "update" and held != refresh.base:
+            logger.warning(
+                f"shard {shard}: the copy changed while its update of round {refresh.download.round} "
+                "downloaded: not applied"
+            )
+            return 0
+        load_shard_tensors(self.model, shard, refresh.download.tensors)
+        # a premerge copy is no round's served shard: the next refresh takes the whole shard
+        if refresh.part != "premerge":
+            updates = held.updates + 1 if refresh.part == "update" else 0
+            self.held[shard] = HeldCopy(refresh.download.round, refresh.peer, updates)
+        return 1
 
     def follow(self, shard: int, held: HeldCopy, download: Download) -> Refresh | None:
         """An update from `held.peer` added to the frozen copy of `shard` that `held` describes
@@ -203,11 +233,14 @@ class FrozenCopies:
         """Wait for the refresh in flight (at most its timeout; a stopping node does not wait) and apply it.
 
         A refresh that outlives its timeout is cancelled: what it has not delivered by then is never applied."""
+        applied = 0
         if self._refresh is not None:
             deadline = time.monotonic() + self.cfg.swarm.averaging_timeout * self.cfg.swarm.num_shards
             while not self._refresh.done() and time.monotonic() < deadline:
                 if self.stop_event.is_set():
                     break
+                # what has arrived is loaded meanwhile: with `refresh_parallel`, the next downloads wait for it
+                applied += self.apply(own)
                 try:
                     self._refresh.result(timeout=0.2)
                 except concurrent.futures.TimeoutError:
@@ -218,7 +251,7 @@ class FrozenCopies:
                 self._refresh.cancel()
                 logger.warning("refresh did not finish in time: cancelled")
             self._refresh = None
-        return self.apply(own)
+        return applied + self.apply(own)
 
     def cancel(self) -> None:
         """Stop the refresh in flight (the node is stopping)."""

@@ -386,7 +386,10 @@ def memory_plan(
     host_snapshots = wire * (counts["total"] - frozen_params) + chains
     # held at snapshot precision: whole shards as they travelled (`transfer.validate_tensors`), updates already
     # added to the copy (`SpesRound._follow`; each shard's decoded fp32 update lives only while it is added)
-    host_refresh = wire * frozen_params
+    # (`swarm.refresh_parallel` shards at most: a shard's download slot is given back once it is loaded)
+    frozen_shards = s.num_shards - shards_held
+    downloading = min(frozen_shards, s.refresh_parallel) if s.refresh_parallel else frozen_shards
+    host_refresh = wire * downloading * counts["shard"]
     # frozen experts only when checkpoints hold them (a resume without them refetches them from the swarm)
     host_checkpoint = weights + optimizer + (frozen if t.checkpoint_frozen_experts else 0) + nesterov
     # a layer's gate_up of one shard's experts: its largest expert tensor
