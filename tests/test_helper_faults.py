@@ -59,6 +59,14 @@ def test_a_node_whose_averager_was_killed_starts_a_new_one_and_averages_that_gro
             swarm.procs[name].send_signal(signal.SIGTERM)
         for name in ("a", "b"):
             assert swarm.wait_exit(name, 120) == 0, swarm.log(name)[-3000:]
+        # the round that replaced it says so in its report (status shows a round's errors)
+        said = [
+            e
+            for r in swarm.summary("a")["rounds"]
+            for e in r["errors"]
+            if e.startswith("shard0: the averager")
+        ]
+        assert len(said) == 1 and said[0].endswith("a new one started"), said
         # the new averager is one of the node's helpers: it ends with the node
         swarm.wait_for(lambda: not Path(f"/proc/{new}").exists(), 60, "the new averager to end with its node")
     finally:

@@ -413,7 +413,7 @@ class SpesRound:
         `complete_round` later applies the average together with the local progress made since; with
         `overlap_shards`, the same for the shards' groups only, once `land_shared` has applied the shared one."""
         self.finish_pending()
-        self._restart_unhealthy_averagers()
+        restarted = self._restart_unhealthy_averagers()
         gather = (inputs.round, inputs.step, inputs.tokens_since_sync)
         # steps past H (trained while waiting for slower peers) weigh nothing more: every reducer counts a weight
         # as at most H steps' tokens (`max_weight`), so that no peer can claim most of a group's average
@@ -430,7 +430,7 @@ class SpesRound:
             + ")"
         )
 
-        errors: list[str] = []
+        errors: list[str] = restarted  # the round's report says so, and status shows it
 
         def step(averager: GroupAverager, key: str, local: dict[str, torch.Tensor], expected: list[str]):
             # a group led by us begins once every expected peer has joined, not at the end of the window
@@ -563,10 +563,11 @@ class SpesRound:
             raise box["error"]
         return box["handle"]
 
-    def _restart_unhealthy_averagers(self) -> None:
+    def _restart_unhealthy_averagers(self) -> list[str]:
         """Replace each averager whose process died (the OOM killer picks the largest helper) or that did not take
         or end its last step in time, on the group's live weights: it would otherwise cost every round a step's
-        deadline, and its group would never average again."""
+        deadline, and its group would never average again. Returns a line for each one replaced or not."""
+        said = []
         groups = [(self.shared_avg, "shared", shared_parameters(self.model))]
         groups += [(self.shard_avgs.get(s), f"shard{s}", shard_tensors(self.model, s)) for s in self.shards]
         for averager, key, tensors in groups:
@@ -580,9 +581,12 @@ class SpesRound:
             logger.warning(f"{key}: the averager {why}: starting a new one")
             try:
                 averager.restart(tensors)
+                said.append(f"{key}: the averager {why}: a new one started")
             except Exception as e:
                 # no new process (no memory, the DHT gone): this round goes without the group, the next tries again
-                logger.error(f"{key}: the averager could not be restarted: {type(e).__name__}: {e}")
+                said.append(f"{key}: the averager {why} and could not be restarted: {type(e).__name__}: {e}")
+                logger.error(said[-1])
+        return said
 
     def land_shared(self) -> None:
         """Overlapping the shards only: wait for the shared parameters' all-reduce and apply its result now, before
