@@ -1,8 +1,9 @@
 """Frozen experts: a node's copies of the shards it does not train, kept fresh from their holders.
 
 Every `refresh_every` rounds each frozen shard is downloaded in the background (`FrozenCopies.start`), every shard
-at once (or `swarm.refresh_parallel` at a time, a slot given back as a shard is loaded), each from its own holders: by the holder's update since the last refresh when the copy is of that refresh
-and came from that holder (`refresh_by_update`), by the whole shard otherwise. An update is added to the copy as soon as it
+at once (or `swarm.refresh_parallel` at a time, a slot given back as a shard is loaded), each from its own holders:
+by the holder's update since the last refresh when the copy is of that refresh and came from that holder
+(`refresh_by_update`), by the whole shard otherwise. An update is added to the copy as soon as it
 arrives, off the training thread; what arrived waits at snapshot precision until the training thread loads it
 between steps (`apply`). A round waits for the refresh in flight, at most its timeout, before it reads the swarm's
 records (`finish`); a refresh past its timeout is cancelled and never applied.
@@ -105,7 +106,7 @@ class FrozenCopies:
             if slots is None:
                 return await download(shard, None)
             await slots.acquire()
-            release = partial(self.loop.loop.call_soon_threadsafe, slots.release)
+            release = partial(_release_soon, self.loop, slots)
             try:
                 refresh = await download(shard, release)
             except BaseException:
@@ -257,6 +258,14 @@ class FrozenCopies:
         """Stop the refresh in flight (the node is stopping)."""
         if self._refresh is not None:
             self._refresh.cancel()
+
+
+def _release_soon(loop: LoopThread, slots: asyncio.Semaphore) -> None:
+    """Give a download slot back from another thread (the training thread, once the shard is loaded)."""
+    try:
+        loop.loop.call_soon_threadsafe(slots.release)
+    except RuntimeError:  # the loop has stopped (the node is stopping): no download waits for the slot
+        pass
 
 
 def shard_shapes(model: MoEForCausalLM, shard: int) -> dict[str, torch.Size]:

@@ -3,9 +3,9 @@
 Parts: "shared" (shared parameters), "shard:<j>" for each shard the node trains, "copy:<j>" for the frozen copy
 it keeps of every other shard, and "premerge:<j>" for an own shard's weights before a merge warm-up (served for
 that round only: slower replicas fetch it after our merge). In a merge round, "shard:<j>" of the round is the
-merged shard only: a node that joins or catches up then never takes the weights before the merge as the round's. Snapshots of trained weights are CPU copies at wire
-precision, never views of the live weights; frozen copies are read from their own buffers when asked for, since
-those are never changed in place (`transfer.Deferred`).
+merged shard only: a node that joins or catches up then never takes the weights before the merge as the round's.
+Snapshots of trained weights are CPU copies at wire precision, never views of the live weights; frozen copies are
+read from their own buffers when asked for, since those are never changed in place (`transfer.Deferred`).
 
 With `updates`, a holder also serves "update:<j>" for each own shard: the change of the shard since the last
 refresh (`every` rounds before: the swarm's `refresh_every`), int8 blockwise (`codecs.BlockwiseInt8`), so that a
@@ -99,9 +99,9 @@ class SnapshotPublisher:
     ) -> None:
         """Serve the state of round `round_`: the shared parameters, the own shards and copies of the frozen ones;
         the own shards in `premerge` as "premerge:<j>" (this round's merge inputs) instead of "shard:<j>", which the
-        merged weights' publish serves. `restart`: the own shards'
-        weights changed within a round already published (a merge, weights taken from the swarm): their update
-        chains start again from these weights, and followers take the whole shard next."""
+        merged weights' publish serves. `restart`: the own shards' weights changed within a round already published
+        (a merge, weights taken from the swarm): their update chains start again from these weights, and followers
+        take the whole shard next."""
         with self._lock:
             self._publish(round_, shared, own, frozen, premerge, restart)
 
