@@ -114,6 +114,10 @@ class TensorFile(Mapping[str, torch.Tensor]):
                     raise TensorFileError(f"{self.path.name}: {key} ends before its bytes do")
         return tensor if self.device.type == "cpu" else tensor.to(self.device)
 
+    def __contains__(self, key: object) -> bool:
+        # from the header: Mapping's own test looks the tensor up, which reads it from the file
+        return key in self._entries
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)
 

@@ -144,7 +144,7 @@ class FrozenCopies:
                     logger.warning(f"refresh of shard {shard} skipped: {e}")
                     return None
                 refresh = Refresh(kind, peer, whole)
-            refresh = replace(refresh, release=release)
+            refresh.release = release
             with self._pending_lock:
                 self._bytes += refresh.download.nbytes + spent
                 self._pending[shard] = refresh

@@ -568,11 +568,14 @@ class SpesRound:
         or end its last step in time, on the group's live weights: it would otherwise cost every round a step's
         deadline, and its group would never average again. Returns a line for each one replaced or not."""
         said = []
-        groups = [(self.shared_avg, "shared", shared_parameters(self.model))]
-        groups += [(self.shard_avgs.get(s), f"shard{s}", shard_tensors(self.model, s)) for s in self.shards]
-        for averager, key, tensors in groups:
+        groups = [
+            (self.shared_avg, "shared", None),
+            *((self.shard_avgs.get(s), f"shard{s}", s) for s in self.shards),
+        ]
+        for averager, key, shard in groups:
             if averager is None or averager.healthy:
                 continue
+            tensors = shared_parameters(self.model) if shard is None else shard_tensors(self.model, shard)
             why = (
                 "did not take or end its step in time"
                 if averager.unresponsive
