@@ -50,15 +50,17 @@ class Peer:
     def __init__(self, initial_peers=(), validators=None):
         """`validators`: what the peer checks records with (default: signatures only, as a stranger's or an older
         version's peer does; `record_validators` is what the project's own DHTs use)."""
-        identity = Path(tempfile.mkdtemp(prefix="spes-peer-")) / "identity.key"
-        self.validator = RSASignatureValidator(load_or_create_identity(identity))
-        self.dht = hivemind.DHT(
-            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-            initial_peers=list(initial_peers),
-            identity_path=str(identity),
-            start=True,
-            record_validators=(validators or (lambda v: [v]))(self.validator),
-        )
+        with tempfile.TemporaryDirectory(prefix="spes-peer-") as directory:
+            # p2pd reads the key file as the DHT starts; nothing reads it afterwards.
+            identity = Path(directory) / "identity.key"
+            self.validator = RSASignatureValidator(load_or_create_identity(identity))
+            self.dht = hivemind.DHT(
+                host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                initial_peers=list(initial_peers),
+                identity_path=str(identity),
+                start=True,
+                record_validators=(validators or (lambda v: [v]))(self.validator),
+            )
         self.peer_id = self.dht.peer_id.to_base58()
 
     def subkey(self) -> bytes:
