@@ -76,3 +76,54 @@ def test_a_node_announces_its_sync_while_it_trains_but_not_while_an_overlapped_r
     assert info.sync_at == 0 and info.round_steps is None
     node.sync, node.status.state = SimpleNamespace(round_in_flight=lambda: False), "averaging"
     assert node.node_info().sync_at == 0
+
+
+@pytest.mark.parametrize("refreshing", [False, True])
+def test_the_round_begins_on_the_records_read_at_step_h_unless_a_refresh_was_in_flight(
+    tmp_path, monkeypatch, refreshing
+):
+    """Step H reads the records to decide whether to train on; when it does not, the round begins on that read
+    (one DHT lookup a round, not two), except when a refresh was downloading: the round waits for it first, and
+    reads the records after that wait."""
+    from types import SimpleNamespace
+
+    from spes_node.daemon import node as node_module
+    from spes_node.daemon.node import Node, NodeOptions
+
+    reads = []
+
+    def fetch_nodes(*args, **kwargs):
+        reads.append(len(reads))
+        return {f"QmPeer{len(reads)}": SimpleNamespace()}
+
+    monkeypatch.setattr(node_module.records, "fetch_nodes", fetch_nodes)
+    node = Node(None, NodeOptions(checkpoint_dir=tmp_path))
+    node.peer_id = "QmNode"
+    node.trainer = SimpleNamespace(step=10)
+    node.cfg = SimpleNamespace(swarm=SimpleNamespace(num_shards=4))
+    node.pacer = RoundPacer(sync_steps=5)
+    node.pacer.note_step(1.0)
+    node.steps_into_round = 5
+    node.publish_record = lambda: None
+    node.node_info = lambda: None
+    node.recent_peers = SimpleNamespace(update=lambda nodes, leaving, now: {})
+    began = []
+    node.sync = SimpleNamespace(
+        refresh_in_flight=lambda: refreshing,
+        wait_ahead=lambda nodes, round_, me: 0.2,  # shorter than a step: no training on
+        finish_pending=lambda: 0,
+        begin_round=lambda inputs, overlap, overlap_shards: began.append(inputs.nodes),
+    )
+    assert node._at_sync(overlap=False, overlap_shards=False)
+    assert len(began) == 1
+    if refreshing:
+        assert len(reads) == 2 and list(began[0]) == ["QmPeer2"], "read again after the refresh"
+    else:
+        assert len(reads) == 1 and list(began[0]) == ["QmPeer1"], "the round began on step H's read"
+    # training on through a peer's wait: the round is not begun, and begins on a read of its own later
+    reads.clear(), began.clear()
+    node.pacer.new_round()
+    node.sync.wait_ahead = lambda nodes, round_, me: 3.0
+    assert not node._at_sync(overlap=False, overlap_shards=False) and not began
+    assert node._at_sync(overlap=False, overlap_shards=False)
+    assert len(reads) == 2 and list(began[0]) == ["QmPeer2"]

@@ -172,6 +172,11 @@ class FrozenCopies:
 
         self._refresh = self.loop.submit(refresh())
 
+    @property
+    def in_flight(self) -> bool:
+        """A refresh is still downloading: `finish` would wait for it."""
+        return self._refresh is not None and not self._refresh.done()
+
     def take_bytes(self) -> int:
         """Bytes the background refreshes downloaded since the last call."""
         with self._pending_lock:

@@ -81,6 +81,10 @@ NETWORK_SHUTDOWN_S = 4.0
 withdrawn."""
 
 
+NodesRead = tuple[dict[str, records.NodeInfo], dict[str, records.NodeInfo]]
+"""A read of the swarm's node records: the live ones, and the peers the read missed that a recent one saw."""
+
+
 class NodeError(SpesError):
     """A problem the user can fix; the CLI prints it as one line."""
 
@@ -882,9 +886,8 @@ class Node:
             overlap = self.cfg.swarm.overlap and not last
             # the shards' all-reduces only: the round waits for the shared parameters', then training goes on
             overlap_shards = self.cfg.swarm.overlap_shards and not overlap and not last
-            if not overlap and self._train_while_waiting():
+            if not self._at_sync(overlap, overlap_shards):
                 continue
-            self._begin_round(overlap, overlap_shards)
             self.steps_into_round = 0
             self.pacer.new_round()
             self.tokens_since_sync = 0
@@ -941,8 +944,23 @@ class Node:
         else:
             logger.info(f"round {round_}'s members have ended it: leaving")
 
-    def _train_while_waiting(self) -> bool:
-        """At the sync: whether to train on, instead of idling while the peers of our groups finish their steps.
+    def _at_sync(self, overlap: bool, overlap_shards: bool) -> bool:
+        """Step H: begin the round (True), or train on while the peers of our groups finish their steps (False).
+
+        The records the decision read are the round's too when nothing came between: no refresh was in flight as
+        they were read, so `_begin_round` does not wait on a holder before reading them. A second read there
+        would cost every round one more DHT lookup on the training thread (a second or more across home links)."""
+        read = None
+        if not overlap:
+            train_on, read = self._train_while_waiting()
+            if train_on:
+                return False
+        self._begin_round(overlap, overlap_shards, read)
+        return True
+
+    def _train_while_waiting(self) -> tuple[bool, NodesRead | None]:
+        """At the sync: whether to train on, instead of idling while the peers of our groups finish their steps;
+        and the records read to decide, when the round can begin on them (see `_at_sync`).
 
         Once a round: the records are read and the round's wait for its slowest expected peer is worked out as the
         round itself will (`SpesRound.wait_ahead`). The node then trains until that peer is due, one step at a
@@ -950,16 +968,17 @@ class Node:
         not many), and its record announces when it will sync, so that a peer reaching the sync meanwhile waits for
         us in turn. The wait that is left, less than a step, is spent in matchmaking as before."""
         if not self.pacer.wants_wait():
-            return False
-        nodes, _ = self._read_nodes()
-        wait = self.sync.wait_ahead(nodes, self.status.round, self.node_info())
+            return False, None
+        refreshing = self.sync.refresh_in_flight()
+        read = self._read_nodes()
+        wait = self.sync.wait_ahead(read[0], self.status.round, self.node_info())
         if not self.pacer.wait(wait):
-            return False
+            return False, None if refreshing else read
         logger.info(f"round {self.status.round + 1}: peers are {wait:.1f}s from the sync: training meanwhile")
         self.publish_record()
-        return True
+        return True, None
 
-    def _read_nodes(self) -> tuple[dict[str, records.NodeInfo], dict[str, records.NodeInfo]]:
+    def _read_nodes(self) -> NodesRead:
         """Read the swarm's node records: the live ones, and the peers this read missed that a recent read saw
         (`RecentPeers`, which every read at the sync keeps up to date)."""
         leaving: set[str] = set()
@@ -968,15 +987,18 @@ class Node:
         )
         return nodes, self.recent_peers.update(nodes, leaving, time.monotonic())
 
-    def _begin_round(self, overlap: bool, overlap_shards: bool = False) -> None:
-        """Announce that we average, read the swarm's records (the round's one read) and start the all-reduces.
+    def _begin_round(
+        self, overlap: bool, overlap_shards: bool = False, read: NodesRead | None = None
+    ) -> None:
+        """Announce that we average, read the swarm's records (the round's one read, unless `read` is one just
+        taken) and start the all-reduces.
 
         The refresh in flight lands first: it may wait for a holder to finish the round it asked for, and the records
         are read after it, so that they show where that holder is now (see `progress.wait_for_peers`)."""
         self.status.state = "averaging"
         self.sync.finish_pending()
         self.publish_record()
-        nodes, missed = self._read_nodes()
+        nodes, missed = read if read is not None else self._read_nodes()
         inputs = RoundInputs(
             round=self.status.round,
             step=self.trainer.step,

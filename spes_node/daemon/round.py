@@ -612,6 +612,10 @@ class SpesRound:
     def round_in_flight(self) -> bool:
         return self._inflight is not None
 
+    def refresh_in_flight(self) -> bool:
+        """Whether a refresh of frozen copies is still downloading (`finish_pending` would wait for it)."""
+        return self.frozen.in_flight
+
     def round_ready(self) -> bool:
         """True when the in-flight round's all-reduces are finished or past their deadline (never blocks)."""
         flight = self._inflight
