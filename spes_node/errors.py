@@ -4,6 +4,9 @@
 class SpesError(Exception):
     """Base of the errors that end a command with one clear line and a non-zero exit."""
 
+    exit_code = 2
+    """2 for what the user gave (click's convention for bad input); 1 for a fault met while running."""
+
 
 def error_line(e: BaseException) -> str:
     text = str(e).strip()

@@ -148,6 +148,18 @@ def _children_by_parent() -> dict[int, list[int]]:
 class NodeDHT(hivemind.DHT):
     """`hivemind.DHT` whose process (and its p2pd) dies with the process that started it."""
 
+    _children: tuple[tuple[int, int | None], ...] = ()
+
     def run(self) -> None:
         bind_to_parent("spes-dht")
         super().run()
+
+    def note_children(self) -> None:
+        """Remember the processes the DHT process started (p2pd); in the parent, once the DHT is up."""
+        self._children = tuple((pid, start_time(pid)) for pid in children(self.pid))
+
+    def end_orphans(self) -> None:
+        """End what the DHT process started, should it have died without doing so: killed outright, it leaves p2pd
+        running with no parent, holding its port and its place in the swarm's DHT, after the node has exited."""
+        for pid, started in self._children:
+            kill_if_same(pid, started)

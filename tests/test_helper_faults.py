@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from swarm_utils import Swarm
 
-from spes_node.procs import descendants
+from spes_node.procs import children, descendants, start_time
 
 pytestmark = pytest.mark.swarm
 
@@ -30,6 +30,17 @@ def _helpers(pid: int, name: str) -> list[int]:
         except OSError:  # gone meanwhile
             continue
     return found
+
+
+def _running(pid: int, started: int | None) -> bool:
+    """Whether the process that started at `started` still runs (not a zombie, not a later one with its pid)."""
+    try:
+        return (
+            start_time(pid) == started
+            and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        )
+    except OSError:
+        return False
 
 
 def test_a_node_whose_averager_was_killed_starts_a_new_one_and_averages_that_group_again(tmp_path):
@@ -69,5 +80,33 @@ def test_a_node_whose_averager_was_killed_starts_a_new_one_and_averages_that_gro
         assert len(said) == 1 and said[0].endswith("a new one started"), said
         # the new averager is one of the node's helpers: it ends with the node
         swarm.wait_for(lambda: not Path(f"/proc/{new}").exists(), 60, "the new averager to end with its node")
+    finally:
+        swarm.close()
+
+
+def test_a_node_whose_dht_process_died_stops_with_its_checkpoint_and_one_line_and_leaves_no_p2pd(tmp_path):
+    """Without its DHT process a node reaches nobody: it used to train on alone for good, every DHT call waiting out
+    its 30 s timeout, and the killed process's p2pd outlived the node. It stops now, for a supervisor to restart."""
+    swarm = Swarm(tmp_path, num_shards=1)
+    try:
+        swarm.start("a")
+        swarm.wait_for(lambda: "round 2 done" in swarm.log("a"), 240, "a's round 2")
+        (dht,) = _helpers(swarm.procs["a"].pid, "spes-dht")
+        p2pd = [(pid, start_time(pid)) for pid in children(dht)]
+        assert p2pd, "the DHT process runs p2pd"
+        os.kill(dht, signal.SIGKILL)
+        swarm.expected_deaths.add("a")
+        code = swarm.wait_exit("a", 180)
+        log = swarm.log("a")
+        assert code == 1, log[-3000:]
+        errors = [line for line in log.splitlines() if line.startswith("spes-node: error:")]
+        assert len(errors) == 1 and "the DHT process exited (code -9)" in errors[0], log[-3000:]
+        assert "Traceback" not in log, log[-3000:]
+        # the final checkpoint holds the last step trained
+        last_step = max(int(step) for step in re.findall(r"step (\d+) round", log))
+        assert swarm.checkpoint("a").step >= last_step
+        # p2pd ends with the node: the node kills it as it stops (`NodeDHT.end_orphans`), where it would otherwise
+        # live until its next write to its stdout, a pipe to the dead process
+        swarm.wait_for(lambda: not any(_running(*p) for p in p2pd), 30, "the orphaned p2pd to end")
     finally:
         swarm.close()

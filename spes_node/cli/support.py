@@ -29,7 +29,9 @@ def user_errors(fn):
         except KeyboardInterrupt:
             sys.exit(130)
         except (ValueError, SpesError, FileNotFoundError, PermissionError) as e:
-            raise UserError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+            error = UserError(str(e).splitlines()[0] if str(e) else type(e).__name__)
+            error.exit_code = getattr(e, "exit_code", UserError.exit_code)
+            raise error from None
 
     return wrapper
 

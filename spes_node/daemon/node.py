@@ -89,6 +89,12 @@ class NodeError(SpesError):
     """A problem the user can fix; the CLI prints it as one line."""
 
 
+class NodeFailed(SpesError):
+    """The node stopped on a fault of its own while running (exit code 1, for a supervisor to start it again)."""
+
+    exit_code = 1
+
+
 @dataclass
 class NodeOptions:
     """What may differ between the nodes of one swarm (everything else is in `SpesConfig`)."""
@@ -153,6 +159,8 @@ class Node:
         self.tokens_since_sync = 0
         self.round_losses: list[float] = []
         self._heartbeat: threading.Thread | None = None
+        self.failure: str | None = None
+        """Why the node stopped by itself (`run` raises it as `NodeFailed` once shut down)."""
         self.dht: hivemind.DHT | None = None
         self.sync: SpesRound | None = None
         self._net_loop: LoopThread | None = None
@@ -198,6 +206,8 @@ class Node:
             self.train()
         finally:
             self.shutdown()
+        if self.failure is not None:
+            raise NodeFailed(self.failure)
 
     def install_signal_handlers(self) -> None:
         def handler(signum, _frame):
@@ -619,6 +629,7 @@ class Node:
                 raise NodeError(
                     f"cannot start or reach the DHT ({', '.join(opts.peers) or 'no peers'}): {reason}"
                 ) from None
+        dht.note_children()
         if not opts.client_mode:
             maddrs = [str(m) for m in dht.get_visible_maddrs()]
             self.visible_maddrs = maddrs
@@ -837,6 +848,8 @@ class Node:
                     f"killing helper process {helper.pid} ({type(helper).__name__}), which did not stop"
                 )
                 kill_tree(helper.pid)
+        if self.dht is not None:
+            self.dht.end_orphans()
         logger.info(
             f"stopped: final checkpoint {checkpointed - started:.1f}s, network "
             f"{time.monotonic() - checkpointed:.1f}s"
@@ -1187,6 +1200,8 @@ class Node:
     def _heartbeat_loop(self) -> None:
         last_config = time.monotonic()
         while not self.stop_event.wait(self.cfg.swarm.heartbeat_s):
+            if not self._dht_alive():
+                return
             try:
                 self.publish_record()
                 if time.monotonic() - last_config > CONFIG_REPUBLISH_S:
@@ -1194,6 +1209,21 @@ class Node:
                     last_config = time.monotonic()
             except Exception as e:
                 logger.warning(f"heartbeat failed: {e}")
+
+    def _dht_alive(self) -> bool:
+        """False, with the node set to stop on a failure, when the DHT process has died (the OOM killer, a crash).
+        Without it nothing reaches the swarm: a node that went on would train alone for good, every round waiting
+        out the timeouts of its DHT calls (30 s each). It stops instead, with its final checkpoint, so that a
+        supervisor (the compose file's restart policy, systemd) starts it again and it rejoins from there."""
+        if self.dht is None or self.dht.is_alive():
+            return True
+        self.failure = (
+            f"the DHT process exited (code {self.dht.exitcode}): the node stopped, as it cannot reach the swarm "
+            "without it; start it again to rejoin from its checkpoint"
+        )
+        logger.error(self.failure)
+        self.stop_event.set()
+        return False
 
     def _publish_config(self) -> None:
         """Every node keeps the swarm config alive in the DHT, so it outlives the founder."""

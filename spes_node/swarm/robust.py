@@ -775,7 +775,11 @@ class RobustAverager(DecentralizedAverager):
         # a runner's finalize returns nothing to wait for): a node stopped during an all-reduce logged an
         # AttributeError traceback from each such averager. Cancel the groups' all-reduces instead.
         if not self.client_mode:
-            await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+            try:
+                await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+            except OSError as e:
+                # p2pd is gone (its DHT process was killed, and the node is stopping for it): so are the handlers
+                logger.debug(f"{self.prefix}: handlers not removed, p2pd does not answer: {e}")
         cancel_running_groups(self._running_groups.values())
 
     def step(self, gather: Any = None, **kwargs):
