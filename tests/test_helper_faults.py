@@ -6,12 +6,15 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
+import hivemind
 import pytest
 from swarm_utils import Swarm
 
-from spes_node.procs import children, descendants, start_time
+from spes_node.daemon.watchdog import DHTWatch
+from spes_node.procs import children, descendants, kill_if_same, start_time
 
 pytestmark = pytest.mark.swarm
 
@@ -110,3 +113,34 @@ def test_a_node_whose_dht_process_died_stops_with_its_checkpoint_and_one_line_an
         swarm.wait_for(lambda: not any(_running(*p) for p in p2pd), 30, "the orphaned p2pd to end")
     finally:
         swarm.close()
+
+
+def test_the_watch_tells_a_dht_process_that_serves_from_one_that_hangs_or_died():
+    """Real DHT processes: one that answers is never reported, however long it runs; one stopped (SIGSTOP, as a
+    process wedged on a lock) is reported hung once it has not answered for `hang_s`; a killed one, at once."""
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    p2pd = [
+        (pid, start_time(pid)) for pid in children(dht.pid)
+    ]  # orphaned by the kill below: ended at the end
+    try:
+        watch = DHTWatch(
+            dht, hang_s=5.0
+        )  # well above an answer's delay on a loaded machine (a pipe and a loop)
+        answering_since = time.monotonic()
+        while time.monotonic() - answering_since < 10.0:  # twice hang_s, every answer in time
+            assert watch.problem() is None
+            time.sleep(0.1)
+        os.kill(dht.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        problem = None
+        while problem is None and time.monotonic() - stopped < 60:
+            problem = watch.problem()
+            time.sleep(0.1)
+        assert problem is not None and "has not answered for" in problem and "(hung)" in problem, problem
+        assert time.monotonic() - stopped >= 5.0
+        os.kill(dht.pid, signal.SIGKILL)
+        dht.join(30)
+        assert watch.problem() == "the DHT process exited (code -9)"
+    finally:
+        for pid, started in [(dht.pid, start_time(dht.pid)), *p2pd]:
+            kill_if_same(pid, started)

@@ -188,9 +188,13 @@ def test_live_table_shows_every_started_daemon():
     record = NodeInfo(
         peer_id="QmB", shards=[1], round=2, step=7, loss=4.5, state="training", public_name="node1"
     )
-    rows = table(procs, {"QmB": record}, 2.0)[1:]
+    seen = set()
+    rows = table(procs, {"QmB": record}, 2.0, seen)[1:]
     assert rows[0].split()[-1] == "starting"
     assert rows[1].split() == ["node1", "1", "2", "7", "4.500", "0", "training"]
+    # its record withdrawn as it leaves, the process still running: leaving, not starting again
+    rows = table(procs, {}, 3.0, seen)[1:]
+    assert [row.split()[-1] for row in rows[:2]] == ["starting", "leaving"]
 
 
 # ------------------------------------------------------------------------------------ run ids on a real DHT

@@ -114,9 +114,10 @@ def run_simulation(
             if data:
                 cmd += ["--data", data]
             procs.append(start_daemon(cmd, run_dir / f"node{i}.log", env))
+        seen: set[str] = set()
         while any(p.poll() is None for p in procs):
             nodes = records.fetch_nodes(bootstrap, run_id)
-            _show(table(procs, nodes, time.monotonic() - start), watch)
+            _show(table(procs, nodes, time.monotonic() - start, seen), watch)
             time.sleep(2.0)
     except KeyboardInterrupt:
         for p in procs:
@@ -136,10 +137,17 @@ def run_simulation(
     return _summary(run_dir, procs, time.monotonic() - start)
 
 
-def table(procs: list[subprocess.Popen], nodes: dict[str, records.NodeInfo], elapsed: float) -> list[str]:
-    """One row per started daemon (`nodeI`): its record's progress, or `starting` until its first record appears
-    (and `exited N` once it is gone without one)."""
+def table(
+    procs: list[subprocess.Popen],
+    nodes: dict[str, records.NodeInfo],
+    elapsed: float,
+    seen: set[str] | None = None,
+) -> list[str]:
+    """One row per started daemon (`nodeI`): its record's progress, or `starting` until its first record appears,
+    `leaving` once it has withdrawn it, and `exited N` once it is gone. `seen`: names whose record a table showed
+    (updated here)."""
     by_name = {node.public_name: node for node in nodes.values()}
+    seen = set() if seen is None else seen
     lines = [
         f"[{elapsed:5.0f}s] {'node':<8} {'shard':>5} {'round':>5} {'step':>6} {'loss':>7} {'tok/s':>7}  state"
     ]
@@ -148,9 +156,10 @@ def table(procs: list[subprocess.Popen], nodes: dict[str, records.NodeInfo], ela
         node = by_name.get(name)
         if node is None:
             code = proc.poll()
-            state = "starting" if code is None else f"exited {code}"
+            state = f"exited {code}" if code is not None else "leaving" if name in seen else "starting"
             lines.append(f"{'':8} {name:<8} {'-':>5} {'-':>5} {'-':>6} {'-':>7} {'-':>7}  {state}")
             continue
+        seen.add(name)
         lines.append(
             f"{'':8} {name:<8} {','.join(map(str, node.shards)) or '-':>5} {node.round:>5} "
             f"{node.step:>6} {node.loss:>7.3f} {node.tokens_per_s:>7.0f}  {node.state}"

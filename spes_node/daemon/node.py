@@ -45,6 +45,7 @@ from spes_node.daemon.pacing import RoundPacer
 from spes_node.daemon.placement import assign_joiners, data_part, reachable
 from spes_node.daemon.round import RoundInputs, RoundReport, SpesRound, StateTaken, live_peers, next_data_part
 from spes_node.daemon.trainer import Trainer
+from spes_node.daemon.watchdog import HANG_HEARTBEATS, DHTWatch
 from spes_node.devices import resolve_device
 from spes_node.errors import SpesError
 from spes_node.files import write_text_atomic
@@ -1199,8 +1200,9 @@ class Node:
 
     def _heartbeat_loop(self) -> None:
         last_config = time.monotonic()
+        watch = DHTWatch(self.dht, HANG_HEARTBEATS * self.cfg.swarm.heartbeat_s)
         while not self.stop_event.wait(self.cfg.swarm.heartbeat_s):
-            if not self._dht_alive():
+            if not self._dht_alive(watch):
                 return
             try:
                 self.publish_record()
@@ -1210,16 +1212,14 @@ class Node:
             except Exception as e:
                 logger.warning(f"heartbeat failed: {e}")
 
-    def _dht_alive(self) -> bool:
-        """False, with the node set to stop on a failure, when the DHT process has died (the OOM killer, a crash).
-        Without it nothing reaches the swarm: a node that went on would train alone for good, every round waiting
-        out the timeouts of its DHT calls (30 s each). It stops instead, with its final checkpoint, so that a
-        supervisor (the compose file's restart policy, systemd) starts it again and it rejoins from there."""
-        if self.dht is None or self.dht.is_alive():
+    def _dht_alive(self, watch: DHTWatch) -> bool:
+        """False, with the node set to stop on a failure, when its DHT process has died or hangs (`watchdog`)."""
+        problem = watch.problem()
+        if problem is None:
             return True
         self.failure = (
-            f"the DHT process exited (code {self.dht.exitcode}): the node stopped, as it cannot reach the swarm "
-            "without it; start it again to rejoin from its checkpoint"
+            f"{problem}: the node stopped, as it cannot reach the swarm without it; start it again to rejoin from "
+            "its checkpoint"
         )
         logger.error(self.failure)
         self.stop_event.set()

@@ -1,0 +1,44 @@
+"""Whether the node's own DHT process still serves it.
+
+The averagers work through the DHT process's p2pd and its DHT, so without it nothing of the node reaches the swarm;
+a node that went on would train alone for good, each DHT call waiting out its timeout round after round. The
+heartbeat thread asks here once a heartbeat, without waiting: the process has exited (the OOM killer, a crash), or
+it has not answered a call that needs no network for `hang_s` seconds (stopped, or wedged on a lock that a dead
+process held). The node then stops as on a signal, final checkpoint included, and exits with a failure for its
+supervisor to start it again."""
+
+from __future__ import annotations
+
+import time
+
+import hivemind
+
+HANG_HEARTBEATS = 30
+"""Heartbeats without an answer after which the DHT process counts as hung: 60 s at tiny, 15 min at spes-7b. A
+loaded machine delays an answer by seconds, not by this."""
+
+
+async def _answer(_dht, _node) -> None:
+    """Runs in the DHT process: its answer needs its loop and nothing else (no peer, no network)."""
+
+
+class DHTWatch:
+    def __init__(self, dht: hivemind.DHT, hang_s: float):
+        self.dht, self.hang_s = dht, hang_s
+        self._probe = None
+        self._answered = time.monotonic()
+
+    def problem(self) -> str | None:
+        """Why the DHT process no longer serves the node, or None while it does. Never blocks."""
+        if not self.dht.is_alive():
+            return f"the DHT process exited (code {self.dht.exitcode})"
+        now = time.monotonic()
+        if self._probe is not None and not self._probe.done():
+            waited = now - self._answered
+            return (
+                f"the DHT process has not answered for {waited:.0f}s (hung)" if waited > self.hang_s else None
+            )
+        if self._probe is not None:
+            self._answered = now  # answered (a call that failed in it still means its loop runs)
+        self._probe = self.dht.run_coroutine(_answer, return_future=True)
+        return None
