@@ -138,6 +138,16 @@ def test_the_watch_tells_a_dht_process_that_serves_from_one_that_hangs_or_died()
             time.sleep(0.1)
         assert problem is not None and "has not answered for" in problem and "(hung)" in problem, problem
         assert time.monotonic() - stopped >= 5.0
+        # a machine suspended with a call in flight: on waking, the call is late but answered by the next checks
+        woken = DHTWatch(dht, hang_s=5.0)
+        assert woken.problem() is None  # sends its call, which the stopped process leaves unanswered
+        woken._answered -= 3600  # as if the machine had slept for an hour since
+        assert woken.problem() is None, "one late check is no hang"
+        os.kill(dht.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while not woken._probe.done() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert woken.problem() is None and woken._unanswered_checks == 0
         os.kill(dht.pid, signal.SIGKILL)
         dht.join(30)
         assert watch.problem() == "the DHT process exited (code -9)"

@@ -16,6 +16,9 @@ import hivemind
 HANG_HEARTBEATS = 30
 """Heartbeats without an answer after which the DHT process counts as hung: 60 s at tiny, 15 min at spes-7b. A
 loaded machine delays an answer by seconds, not by this."""
+HANG_CHECKS = 3
+"""Checks in a row that must find the same call unanswered: a machine suspended with a call in flight (a laptop
+asleep for hours) finds it unanswered once on waking, and answered at the next check."""
 
 
 async def _answer(_dht, _node) -> None:
@@ -27,6 +30,7 @@ class DHTWatch:
         self.dht, self.hang_s = dht, hang_s
         self._probe = None
         self._answered = time.monotonic()
+        self._unanswered_checks = 0
 
     def problem(self) -> str | None:
         """Why the DHT process no longer serves the node, or None while it does. Never blocks."""
@@ -34,11 +38,13 @@ class DHTWatch:
             return f"the DHT process exited (code {self.dht.exitcode})"
         now = time.monotonic()
         if self._probe is not None and not self._probe.done():
+            self._unanswered_checks += 1
             waited = now - self._answered
-            return (
-                f"the DHT process has not answered for {waited:.0f}s (hung)" if waited > self.hang_s else None
-            )
+            if waited > self.hang_s and self._unanswered_checks >= HANG_CHECKS:
+                return f"the DHT process has not answered for {waited:.0f}s (hung)"
+            return None
         if self._probe is not None:
             self._answered = now  # answered (a call that failed in it still means its loop runs)
         self._probe = self.dht.run_coroutine(_answer, return_future=True)
+        self._unanswered_checks = 0
         return None
