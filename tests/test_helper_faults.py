@@ -154,3 +154,21 @@ def test_the_watch_tells_a_dht_process_that_serves_from_one_that_hangs_or_died()
     finally:
         for pid, started in [(dht.pid, start_time(dht.pid)), *p2pd]:
             kill_if_same(pid, started)
+
+
+def test_the_watch_tells_a_dht_process_whose_p2pd_died():
+    """Without p2pd the DHT process answers, but reaches no one (nor do the averagers, which use the same p2pd)."""
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        watch = DHTWatch(dht, hang_s=60.0)
+        (p2pd,) = children(dht.pid)
+        assert watch.problem() is None
+        os.kill(p2pd, signal.SIGKILL)
+        problem = None
+        deadline = time.monotonic() + 60
+        while problem is None and time.monotonic() < deadline:
+            problem = watch.problem()
+            time.sleep(0.1)
+        assert problem == "the DHT process's p2pd exited (code -9)", problem
+    finally:
+        dht.shutdown()

@@ -2,9 +2,9 @@
 
 The averagers work through the DHT process's p2pd and its DHT, so without it nothing of the node reaches the swarm;
 a node that went on would train alone for good, each DHT call waiting out its timeout round after round. The
-heartbeat thread asks here once a heartbeat, without waiting: the process has exited (the OOM killer, a crash), or
-it has not answered a call that needs no network for `hang_s` seconds (stopped, or wedged on a lock that a dead
-process held). The node then stops as on a signal, final checkpoint included, and exits with a failure for its
+heartbeat thread asks here once a heartbeat, without waiting: the process has exited (the OOM killer, a crash), its
+p2pd has, or it has not answered a call that needs no network for `hang_s` seconds (stopped, or wedged on a lock
+that a dead process held). The node then stops as on a signal, final checkpoint included, and exits with a failure for its
 supervisor to start it again."""
 
 from __future__ import annotations
@@ -21,8 +21,11 @@ HANG_CHECKS = 3
 asleep for hours) finds it unanswered once on waking, and answered at the next check."""
 
 
-async def _answer(_dht, _node) -> None:
-    """Runs in the DHT process: its answer needs its loop and nothing else (no peer, no network)."""
+async def _answer(_dht, node) -> int | None:
+    """Runs in the DHT process, and needs its loop and nothing else (no peer, no network): the exit code of its p2pd,
+    None while it runs (`tests/test_helper_faults.py` checks where hivemind keeps that process)."""
+    p2pd = getattr(node.p2p, "_child", None)
+    return None if p2pd is None else p2pd.returncode
 
 
 class DHTWatch:
@@ -45,6 +48,8 @@ class DHTWatch:
             return None
         if self._probe is not None:
             self._answered = now  # answered (a call that failed in it still means its loop runs)
+            if self._probe.exception() is None and (code := self._probe.result()) is not None:
+                return f"the DHT process's p2pd exited (code {code})"
         self._probe = self.dht.run_coroutine(_answer, return_future=True)
         self._unanswered_checks = 0
         return None
