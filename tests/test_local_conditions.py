@@ -276,6 +276,9 @@ def test_a_slow_final_checkpoint_still_leaves_time_to_withdraw_the_record(monkey
         def shutdown(self):
             self.alive = False
 
+        def end_orphans(self):  # `NodeDHT`'s: nothing was orphaned here
+            pass
+
     class Sync(Helper):
         def helper_processes(self):
             return []

@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import hivemind
 import torch
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.timed_storage import get_dht_time
@@ -162,7 +161,7 @@ class Node:
         self._heartbeat: threading.Thread | None = None
         self.failure: str | None = None
         """Why the node stopped by itself (`run` raises it as `NodeFailed` once shut down)."""
-        self.dht: hivemind.DHT | None = None
+        self.dht: NodeDHT | None = None
         self.sync: SpesRound | None = None
         self._net_loop: LoopThread | None = None
         """The event loop of the node's P2P calls (the DHT's p2p replica is bound to it); the round takes it over."""
@@ -590,7 +589,7 @@ class Node:
             client_mode=self.opts.client_mode,
         )
 
-    def _start_dht(self, identity_path: str) -> hivemind.DHT:
+    def _start_dht(self, identity_path: str) -> NodeDHT:
         """Start the DHT. A bootstrap peer that cannot be reached (down for a moment, a connection lost to a loaded
         link) is tried again, with growing waits, for `join_timeout` seconds in all; any other failure, or the
         last one, is the one line of `NodeError`."""
