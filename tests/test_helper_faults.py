@@ -119,13 +119,11 @@ def test_the_watch_tells_a_dht_process_that_serves_from_one_that_hangs_or_died()
     """Real DHT processes: one that answers is never reported, however long it runs; one stopped (SIGSTOP, as a
     process wedged on a lock) is reported hung once it has not answered for `hang_s`; a killed one, at once."""
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    p2pd = [
-        (pid, start_time(pid)) for pid in children(dht.pid)
-    ]  # orphaned by the kill below: ended at the end
+    # orphaned by the kill below, and ended at the end
+    p2pd = [(pid, start_time(pid)) for pid in children(dht.pid)]
     try:
-        watch = DHTWatch(
-            dht, hang_s=5.0
-        )  # well above an answer's delay on a loaded machine (a pipe and a loop)
+        # well above an answer's delay on a loaded machine (a pipe and a loop)
+        watch = DHTWatch(dht, hang_s=5.0)
         answering_since = time.monotonic()
         while time.monotonic() - answering_since < 10.0:  # twice hang_s, every answer in time
             assert watch.problem() is None
