@@ -18,6 +18,7 @@ import pytest
 
 from spes_node.config import load_preset
 from spes_node.daemon.checkpoint import CheckpointManager
+from spes_node.procs import start_time
 from spes_node.swarm import records
 from spes_node.swarm.bootstrap import start_bootstrap
 
@@ -65,6 +66,18 @@ def wait_for(
                 f"timed out after {timeout:.0f}s waiting for {what}" + (f"; saw {seen()}" if seen else "")
             )
         time.sleep(0.5)
+
+
+def running(pid: int, started: int | None = None) -> bool:
+    """Whether process `pid` runs (a zombie does not); with `started` (`procs.start_time`), whether it is still the
+    process that started then, not a later one given its pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    if started is not None and start_time(pid) != started:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def spes_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

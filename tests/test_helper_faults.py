@@ -11,7 +11,7 @@ from pathlib import Path
 
 import hivemind
 import pytest
-from swarm_utils import Swarm
+from swarm_utils import Swarm, running, wait_for
 
 from spes_node.daemon.watchdog import DHTWatch
 from spes_node.procs import children, descendants, kill_if_same, start_time
@@ -33,17 +33,6 @@ def _helpers(pid: int, name: str) -> list[int]:
         except OSError:  # gone meanwhile
             continue
     return found
-
-
-def _running(pid: int, started: int | None) -> bool:
-    """Whether the process that started at `started` still runs (not a zombie, not a later one with its pid)."""
-    try:
-        return (
-            start_time(pid) == started
-            and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        )
-    except OSError:
-        return False
 
 
 def test_a_node_whose_averager_was_killed_starts_a_new_one_and_averages_that_group_again(tmp_path):
@@ -110,7 +99,7 @@ def test_a_node_whose_dht_process_died_stops_with_its_checkpoint_and_one_line_an
         assert swarm.checkpoint("a").step >= last_step
         # p2pd ends with the node: the node kills it as it stops (`NodeDHT.end_orphans`), where it would otherwise
         # live until its next write to its stdout, a pipe to the dead process
-        swarm.wait_for(lambda: not any(_running(*p) for p in p2pd), 30, "the orphaned p2pd to end")
+        swarm.wait_for(lambda: not any(running(*p) for p in p2pd), 30, "the orphaned p2pd to end")
     finally:
         swarm.close()
 
@@ -130,11 +119,8 @@ def test_the_watch_tells_a_dht_process_that_serves_from_one_that_hangs_or_died()
             time.sleep(0.1)
         os.kill(dht.pid, signal.SIGSTOP)
         stopped = time.monotonic()
-        problem = None
-        while problem is None and time.monotonic() - stopped < 60:
-            problem = watch.problem()
-            time.sleep(0.1)
-        assert problem is not None and "has not answered for" in problem and "(hung)" in problem, problem
+        problem = wait_for(watch.problem, 60, "the stopped DHT process to be reported")
+        assert "has not answered for" in problem and "(hung)" in problem, problem
         assert time.monotonic() - stopped >= 5.0
         # a machine suspended with a call in flight: on waking, the call is late but answered by the next checks
         woken = DHTWatch(dht, hang_s=5.0)
@@ -142,9 +128,7 @@ def test_the_watch_tells_a_dht_process_that_serves_from_one_that_hangs_or_died()
         woken._answered -= 3600  # as if the machine had slept for an hour since
         assert woken.problem() is None, "one late check is no hang"
         os.kill(dht.pid, signal.SIGCONT)
-        deadline = time.monotonic() + 30
-        while not woken._probe.done() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(woken._probe.done, 30, "the late call to be answered")
         assert woken.problem() is None and woken._unanswered_checks == 0
         os.kill(dht.pid, signal.SIGKILL)
         dht.join(30)
@@ -162,11 +146,7 @@ def test_the_watch_tells_a_dht_process_whose_p2pd_died():
         (p2pd,) = children(dht.pid)
         assert watch.problem() is None
         os.kill(p2pd, signal.SIGKILL)
-        problem = None
-        deadline = time.monotonic() + 60
-        while problem is None and time.monotonic() < deadline:
-            problem = watch.problem()
-            time.sleep(0.1)
+        problem = wait_for(watch.problem, 60, "the DHT process without p2pd to be reported")
         assert problem == "the DHT process's p2pd exited (code -9)", problem
     finally:
         dht.shutdown()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from hivemind.utils import get_dht_time
-from swarm_utils import Swarm, wait_for
+from swarm_utils import Swarm, running, wait_for
 
 from spes_node.procs import descendants
 from spes_node.swarm.bootstrap import start_bootstrap
@@ -205,21 +205,13 @@ def test_sigkill_does_not_stall_the_others(swarm_factory):
     helpers = descendants(swarm.procs["victim"].pid)
     assert len(helpers) >= 3, helpers  # DHT, p2pd, two averagers
     swarm.kill("victim")
-    wait_for(lambda: not any(_alive(pid) for pid in helpers), 30, "the victim's helper processes to exit")
+    wait_for(lambda: not any(running(pid) for pid in helpers), 30, "the victim's helper processes to exit")
     for name in ("a", "b"):
         assert swarm.wait_exit(name, 240) == 0, swarm.log(name)[-3000:]
         s = swarm.summary(name)
         assert s["rounds_done"] == 4
         # without the victim, the two still average together (each round's group depends on matchmaking timing)
         assert any(r["shared_group"] == 2 for r in s["rounds"][-2:]), s["rounds"]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_a_joiner_tries_its_bootstrap_peer_again_until_it_answers(swarm_factory, tmp_path):
