@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -322,7 +323,7 @@ class SpesConfig:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
     def hash(self) -> str:
-        return config_hash(self.to_json())
+        return config_digest(self.to_json())
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SpesConfig:
@@ -346,8 +347,21 @@ class SpesConfig:
         return SpesConfig.from_dict(data)
 
 
-def config_hash(config_json: str) -> str:
+CONFIG_HASH_RE = re.compile(r"[0-9a-f]{64}")
+"""A config hash as stored and compared: the 64 lowercase hex digits of a sha256."""
+
+
+def config_digest(config_json: str) -> str:
+    """The hash of a config's JSON text (the one swarm records carry beside it): sha256 hex digest."""
     return hashlib.sha256(config_json.encode()).hexdigest()
+
+
+def check_config_hash(value: str) -> str:
+    """A --config-hash as the user gave it: the 64 hex digits of a config's sha256 (case ignored)."""
+    text = value.strip().lower()
+    if not CONFIG_HASH_RE.fullmatch(text):
+        raise ValueError(f"--config-hash: expected the 64 hex digits the founder printed, got '{value[:80]}'")
+    return text
 
 
 def list_presets() -> list[str]:

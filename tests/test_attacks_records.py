@@ -21,6 +21,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from swarm_utils import NODE_ENV, Swarm, spes_cli
 
+from spes_node.config import config_digest
 from spes_node.proto import SwarmConfigRecord
 from spes_node.swarm import records
 
@@ -169,7 +170,7 @@ def test_oversized_values_are_refused_at_store_and_hide_no_node(swarm):
 def _sybil_config(swarm: Swarm, sybil: Stranger, config_json: str) -> bool:
     record = SwarmConfigRecord(
         run_id=swarm.run_id,
-        config_hash=records.config_digest(config_json),
+        config_hash=config_digest(config_json),
         config_json=config_json,
         software_version="0.1.0",
         created_at=get_dht_time() - 3600,  # "older" than the founder's, for whatever that would be worth
@@ -194,10 +195,10 @@ def test_sybil_configs_do_not_outvote_the_anchored_config(swarm):
     swarm.start("b", configured=False)
     swarm.wait_for(lambda: (n := _by_name(swarm).get("b")) and n.state == "training", 240, "b training")
     assert "taken unanchored" in swarm.log("b") and f"--config-hash {honest}" in swarm.log("b")
-    assert records.config_digest((swarm.tmp / "b" / "config.json").read_text()) == honest
+    assert config_digest((swarm.tmp / "b" / "config.json").read_text()) == honest
 
     evil_json = swarm.cfg.replace(swarm={"sync_steps": 7}).to_json()
-    evil = records.config_digest(evil_json)
+    evil = config_digest(evil_json)
     sybils = [Stranger(swarm) for _ in range(3)]
     try:
         for sybil in sybils:
@@ -220,7 +221,7 @@ def test_sybil_configs_do_not_outvote_the_anchored_config(swarm):
         # a joiner with the anchor takes the honest config and trains with the honest nodes
         swarm.start("c", "--config-hash", honest, configured=False)
         swarm.wait_for(lambda: (n := _by_name(swarm).get("c")) and n.state == "training", 240, "c training")
-        assert records.config_digest((swarm.tmp / "c" / "config.json").read_text()) == honest
+        assert config_digest((swarm.tmp / "c" / "config.json").read_text()) == honest
         assert "unanchored" not in swarm.log("c")
 
         # status trusts the anchored config and reports the others; without an anchor it trusts none

@@ -220,3 +220,38 @@ def test_help_subprocess():
     assert "join" in result.stdout and "Traceback" not in result.stderr
     result = _spes_node("join", "--help")
     assert result.returncode == 0 and "--checkpoint-dir" in result.stdout
+
+
+HEAVY = ("torch", "hivemind", "transformers", "datasets")
+"""What a command imports only when it runs: its help, `plan` and its flag errors answer without them."""
+
+
+@pytest.mark.parametrize(
+    "args, exit_code",
+    [
+        (["--help"], 0),
+        (["status", "--help"], 0),
+        (["plan", "--preset", "spes-7b", "--device-memory", "48GB"], 0),
+        (["join", "--config-hash", "abc"], 2),
+        (["join", "--preset", "tiny", "--shard", "9"], 2),
+        (["status", "--peers", "/ip4/127.0.0.1/tcp/1", "--config-hash", "xyz"], 2),
+        (["export", "--out", "x"], 2),
+    ],
+)
+def test_help_plan_and_flag_errors_import_no_heavy_library(args, exit_code):
+    # run in a fresh interpreter: this test process has imported all of them already
+    probe = (
+        "import sys\n"
+        "from spes_node.cli.main import run\n"
+        "sys.argv = ['spes-node', *sys.argv[1:]]\n"
+        "try:\n"
+        "    run()\n"
+        "finally:\n"
+        f"    print('loaded:', sorted(m for m in {HEAVY!r} if m in sys.modules), file=sys.stderr)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe, *args], capture_output=True, text=True, env=_env(), timeout=120
+    )
+    assert result.returncode == exit_code, result.stderr
+    assert result.stderr.splitlines()[-1] == "loaded: []", result.stderr
+    assert "Traceback" not in result.stderr

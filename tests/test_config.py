@@ -7,7 +7,7 @@ from spes_node.config import (
     ModelConfig,
     SpesConfig,
     SwarmConfig,
-    config_hash,
+    config_digest,
     list_presets,
     load_config,
     load_preset,
@@ -159,7 +159,7 @@ def test_from_json_rejects_bad_json():
 
 def test_hash_is_stable_and_canonical():
     cfg = load_preset("tiny")
-    assert cfg.hash() == load_preset("tiny").hash() == config_hash(cfg.to_json())
+    assert cfg.hash() == load_preset("tiny").hash() == config_digest(cfg.to_json())
     assert len(cfg.hash()) == 64
     reordered = json.dumps(json.loads(cfg.to_json()), indent=2, sort_keys=False)
     assert SpesConfig.from_json(reordered).hash() == cfg.hash()
@@ -187,7 +187,7 @@ def test_hash_changes_when_any_field_changes():
                 changed[section] = _changed(value)
             else:
                 changed[section][name] = _changed(value)
-            digest = config_hash(json.dumps(changed, sort_keys=True, separators=(",", ":")))
+            digest = config_digest(json.dumps(changed, sort_keys=True, separators=(",", ":")))
             assert digest not in seen, (section, name)
             seen.add(digest)
     fields = sum(len(v) if isinstance(v, dict) else 1 for v in data.values())

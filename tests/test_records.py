@@ -18,6 +18,7 @@ from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
+from spes_node.config import check_config_hash, config_digest
 from spes_node.proto import NodeRecord, SwarmConfigRecord
 from spes_node.swarm.identity import load_or_create_identity, peer_id_of, peer_id_of_public_key
 from spes_node.swarm.records import (
@@ -25,8 +26,6 @@ from spes_node.swarm.records import (
     ConfigConflict,
     NodeInfo,
     RecordSizeValidator,
-    check_config_hash,
-    config_digest,
     config_key,
     fetch_config,
     fetch_configs,

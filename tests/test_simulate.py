@@ -16,13 +16,13 @@ from click.testing import CliRunner
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 
-import spes_node.cli.simulate
+import spes_node.daemon.simulation
 import spes_node.logs
 from spes_node.cli import main
-from spes_node.cli.simulate import new_run_dir, table
 from spes_node.config import load_preset
 from spes_node.daemon import status
 from spes_node.daemon.node import Node, NodeError, NodeOptions
+from spes_node.daemon.simulation import new_run_dir, table
 from spes_node.swarm import records
 from spes_node.swarm.bootstrap import start_bootstrap
 from spes_node.swarm.identity import load_or_create_identity
@@ -106,9 +106,9 @@ def fake_simulate(monkeypatch):
         started.append(FakeDaemon(cmd, log_path, env))
         return started[-1]
 
-    monkeypatch.setattr(spes_node.cli.simulate, "start_bootstrap", lambda *a, **k: FakeBootstrap())
-    monkeypatch.setattr(spes_node.cli.simulate, "start_daemon", start_daemon)
-    monkeypatch.setattr(spes_node.cli.simulate.records, "fetch_nodes", lambda *a, **k: {})
+    monkeypatch.setattr(spes_node.daemon.simulation, "start_bootstrap", lambda *a, **k: FakeBootstrap())
+    monkeypatch.setattr(spes_node.daemon.simulation, "start_daemon", start_daemon)
+    monkeypatch.setattr(spes_node.daemon.simulation.records, "fetch_nodes", lambda *a, **k: {})
 
     def invoke(*args: str):
         return CliRunner().invoke(main, ["simulate", *args], catch_exceptions=True)
@@ -295,6 +295,6 @@ def test_a_node_logs_complete_join_and_status_commands(tmp_path, caplog, monkeyp
 
 
 def test_status_command_of_simulate_parses():
-    command = shlex.split(spes_node.cli.simulate.status_command([FAKE_MADDR], "demo"))
+    command = shlex.split(spes_node.daemon.simulation.status_command([FAKE_MADDR], "demo"))
     params = main.commands["status"].make_context("status", command[2:]).params
     assert list(params["peers"]) == [FAKE_MADDR] and params["run_id"] == "demo"

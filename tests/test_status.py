@@ -15,9 +15,9 @@ from PIL import Image
 from swarm_utils import NODE_ENV, Swarm, free_port, spes_cli
 
 from spes_node.cli import main
-from spes_node.config import load_preset
+from spes_node.config import config_digest, load_preset
 from spes_node.daemon.status import _trusted_config, plot, render, summarize
-from spes_node.swarm.records import ConfigInfo, NodeInfo, config_digest
+from spes_node.swarm.records import ConfigInfo, NodeInfo
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 NODE_FIELDS = {"peer_id", "shards", "round", "step", "tokens", "tokens_per_s", "loss", "state", "last_seen_s"}

@@ -2,9 +2,9 @@
 
 import json
 
-from spes_node.config import load_preset
+from spes_node.config import config_digest, load_preset
 from spes_node.daemon.status import render, summarize
-from spes_node.swarm.records import ConfigInfo, NodeInfo, config_digest
+from spes_node.swarm.records import ConfigInfo, NodeInfo
 
 NOW = 10_000.0
 RELAY = "/ip4/10.0.0.1/tcp/4001/p2p/QmRelay"

@@ -7,8 +7,6 @@ from pathlib import Path
 import click
 
 from spes_node.cli.support import option, user_errors
-from spes_node.daemon.export import fetch_swarm_weights, load_checkpoint_weights
-from spes_node.model.hf_checkpoint import check_out_dir, save_hf_checkpoint
 
 
 @click.command("export")
@@ -33,13 +31,15 @@ def export(
     checkpoint_dir, config, peers, run_id, allow_copies, timeout, out, force, swarm_key, swarm_key_file
 ) -> None:
     """Write the model as a Hugging Face OLMoE checkpoint (from a checkpoint dir or from live peers)."""
-    from spes_node.logs import setup_logging
-
-    setup_logging("WARNING")
     if bool(checkpoint_dir) == bool(peers):
         raise ValueError("pass either --checkpoint-dir or --peers")
     if config and not checkpoint_dir:
         raise ValueError("--config: only used with --checkpoint-dir (a swarm publishes its own config)")
+    from spes_node.daemon.export import fetch_swarm_weights, load_checkpoint_weights
+    from spes_node.logs import setup_logging
+    from spes_node.model.hf_checkpoint import check_out_dir, save_hf_checkpoint
+
+    setup_logging("WARNING")
     check_out_dir(Path(out), force)
     if checkpoint_dir:
         cfg, weights, provenance = load_checkpoint_weights(checkpoint_dir, config)

@@ -126,6 +126,14 @@ def join(
         cfg = load_preset("tiny")
     if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run_id):
         raise ValueError(f"--run-id: use 1-64 letters, digits, '_' or '-', got '{run_id}'")
+    if config_hash:
+        from spes_node.config import check_config_hash
+
+        config_hash = check_config_hash(config_hash)
+        if cfg is not None and cfg.hash() != config_hash:
+            raise ValueError(
+                f"--config-hash: {config_hash[:12]} is not the hash of the given --preset/--config ({cfg.hash()[:12]})"
+            )
     from spes_node.daemon.capacity import check_shard_request, parse_shard_request
 
     request = parse_shard_request(shards, max_shards, shard)
@@ -136,14 +144,6 @@ def join(
     if cfg is not None:  # else the node checks them against the swarm's config once it has it
         check_shard_request(request, cfg)
         _check_fits(cfg, request, device)
-    if config_hash:
-        from spes_node.swarm.records import check_config_hash
-
-        config_hash = check_config_hash(config_hash)
-        if cfg is not None and cfg.hash() != config_hash:
-            raise ValueError(
-                f"--config-hash: {config_hash[:12]} is not the hash of the given --preset/--config ({cfg.hash()[:12]})"
-            )
     relays = list(relays) or (list(peers) if auto_relay else [])
     if (relays or auto_relay) and not peers:
         raise ValueError("--relay/--auto-relay: relays are for nodes that join a swarm; pass --peers too")

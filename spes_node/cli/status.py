@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import click
 
-from spes_node.daemon.status import run_status
-
 
 @click.command()
 @click.option(
@@ -65,17 +63,21 @@ def status(
     peers, run_id, as_json, watch, plot_path, timeout, interval, config_hash, swarm_key, swarm_key_file
 ) -> None:
     """Show a swarm: its nodes, their progress, and which shards have too few replicas."""
-    # cli.py imports this module to register the command, so its helpers are imported when the command runs
+    # the group imports this module to list the command: what it runs is imported when it runs
     from spes_node.cli.support import UserError
     from spes_node.logs import setup_logging
 
-    setup_logging("WARNING")
     try:
-        from spes_node.swarm.records import check_config_hash
+        from spes_node.config import check_config_hash
+
+        anchor = check_config_hash(config_hash) if config_hash else None
+        # hivemind's DHT client, authorizer and logging: imported once the light checks have passed
+        setup_logging("WARNING")
+        from spes_node.daemon.status import run_status
         from spes_node.swarm.swarm_key import load_swarm_key
 
         key = load_swarm_key(swarm_key, swarm_key_file)
-        anchor = check_config_hash(config_hash) if config_hash else None
+
         run_status(peers, run_id, as_json, watch, plot_path, timeout, interval, key, anchor)
     except ValueError as e:
         raise UserError(str(e).splitlines()[0] if str(e) else type(e).__name__) from None

@@ -16,8 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from spes_node.config import SpesConfig
 from spes_node.daemon.plan import (
@@ -28,6 +27,9 @@ from spes_node.daemon.plan import (
     max_shards,
     memory_plan,
 )
+
+if TYPE_CHECKING:  # torch is imported where a device is asked: `join` checks its flags without it
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +109,8 @@ def check_shard_request(request: ShardRequest, cfg: SpesConfig) -> None:
 def device_memory(device: torch.device) -> tuple[int, str]:
     """The memory the node's training state may use on `device`, in bytes, and where that figure comes from."""
     if device.type == "cuda":
+        import torch
+
         free, total = torch.cuda.mem_get_info(device)
         budget = min(total, free + CUDA_RESERVE)
         source = f"{format_bytes(total)} card" + (

@@ -23,7 +23,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from spes_node import __version__
 from spes_node.aio import LoopThread
 from spes_node.allocator import keep_large_blocks_mapped
-from spes_node.config import SpesConfig
+from spes_node.config import SpesConfig, check_config_hash
 from spes_node.daemon.capacity import ShardRequest, shard_capacity
 from spes_node.daemon.checkpoint import (
     CheckpointError,
@@ -748,9 +748,7 @@ class Node:
             return None
         for path in reversed(paths):
             try:
-                return records.check_config_hash(
-                    json.loads((path / META_FILE).read_text())["meta"]["config_hash"]
-                )
+                return check_config_hash(json.loads((path / META_FILE).read_text())["meta"]["config_hash"])
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 continue
         return None

@@ -41,6 +41,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 
 from spes_node import __version__
+from spes_node.config import CONFIG_HASH_RE, config_digest
 from spes_node.proto import NodeRecord, SwarmConfigRecord
 from spes_node.swarm.identity import peer_id_of_public_key
 
@@ -71,7 +72,6 @@ ACTIVE_STATES = frozenset({"training", "averaging"})
 _STATE_TO_PROTO = {name: NodeRecord.State.Value(name.upper()) for name in STATES}
 _PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]+")
 _OWNER_RE = re.compile(rb"\[owner:.+?\]")
-_HASH_RE = re.compile(r"[0-9a-f]{64}")
 
 
 class RecordSizeValidator(RecordValidatorBase):
@@ -181,19 +181,6 @@ def config_key(run_id: str) -> str:
     return f"{run_id}.config"
 
 
-def config_digest(config_json: str) -> str:
-    """The config hash stored next to a config: sha256 hex digest of its JSON text."""
-    return hashlib.sha256(config_json.encode()).hexdigest()
-
-
-def check_config_hash(value: str) -> str:
-    """A --config-hash as the user gave it: the 64 hex digits of a config's sha256 (case ignored)."""
-    text = value.strip().lower()
-    if not _HASH_RE.fullmatch(text):
-        raise ValueError(f"--config-hash: expected the 64 hex digits the founder printed, got '{value[:80]}'")
-    return text
-
-
 def _check_text(value: str, name: str, max_chars: int, *, allow_empty: bool = True) -> None:
     if not allow_empty and not value:
         raise ValueError(f"{name} is empty")
@@ -244,7 +231,7 @@ def _check_node_record(record: NodeRecord, num_shards: int | None) -> None:
 
 def _check_config_record(record: SwarmConfigRecord) -> None:
     _check_text(record.run_id, "run_id", MAX_RUN_ID_CHARS, allow_empty=False)
-    if not _HASH_RE.fullmatch(record.config_hash):
+    if not CONFIG_HASH_RE.fullmatch(record.config_hash):
         raise ValueError("config_hash is not a sha256 hex digest")
     if config_digest(record.config_json) != record.config_hash:
         raise ValueError("config_hash does not match config_json")
