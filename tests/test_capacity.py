@@ -1,11 +1,15 @@
 """--shards/--max-shards: parsing, the capacity from the memory plan, and the join command's one-line refusals."""
 
+import glob
 import logging
 import os
+import re
+import time
 
 import pytest
 import torch
 from click.testing import CliRunner
+from swarm_utils import Swarm
 
 import spes_node.daemon.capacity
 import spes_node.daemon.node
@@ -193,3 +197,59 @@ def test_join_passes_the_request_to_the_node(join):
     result, opts = join("--peers", "/ip4/127.0.0.1/tcp/1/p2p/QmPeer", "--shards", "7,9")
     assert result.exit_code == 0, "without a config the node checks the indices once it has the swarm's"
     assert opts.shards.indices == (7, 9)
+
+
+def _smaps_kib(pid: int, fields: tuple[str, ...]) -> int:
+    try:
+        text = open(f"/proc/{pid}/smaps_rollup").read()
+    except OSError:  # exited meanwhile
+        return 0
+    return sum(int(kib) for name, kib in re.findall(r"^(\w+):\s+(\d+) kB", text, re.M) if name in fields)
+
+
+def _descendants(pid: int) -> list[int]:
+    found, stack = [], [pid]
+    while stack:
+        parent = stack.pop()
+        for task in glob.glob(f"/proc/{parent}/task/*/children"):
+            try:
+                children = [int(c) for c in open(task).read().split()]
+            except OSError:
+                continue
+            found += children
+            stack += children
+    return found
+
+
+def _tree_kib(node: int) -> int:
+    """The node's process tree as a machine running it alone sees it: the node's resident set, each forked helper's
+    own pages (what it shares with the node counts once, in the node), p2pd's and torch's shm manager's resident
+    sets. Unlike PSS, it does not shrink when other processes (other tests' nodes) map the same libraries."""
+    total = _smaps_kib(node, ("Rss",))
+    for pid in _descendants(node):
+        try:
+            forked = os.readlink(f"/proc/{pid}/exe") == os.readlink(f"/proc/{node}/exe")
+        except OSError:  # exited meanwhile
+            continue
+        total += _smaps_kib(pid, ("Private_Clean", "Private_Dirty") if forked else ("Rss",))
+    return total
+
+
+@pytest.mark.swarm
+def test_a_cpu_node_runs_within_the_plans_host_memory_and_near_it(tmp_path):
+    """`host_need` is what `--shards auto` fits in a CPU node's memory. A tiny node's tensors are a few tens of MiB:
+    its runtime (`HOST_RUNTIME_CPU`: interpreter, torch, hivemind's DHT and averager processes, p2pd) is most of
+    what it measures, and it must neither be above the plan (a node would take more shards than fit) nor far under
+    it (one that would fit would be refused)."""
+    swarm = Swarm(tmp_path)
+    try:
+        node = swarm.start("a", "--max-rounds", "4", "--wait-peers", "1")
+        peak = 0
+        while node.poll() is None:
+            peak = max(peak, _tree_kib(node.pid))
+            time.sleep(0.2)
+        assert node.returncode == 0, swarm.log("a")[-3000:]
+    finally:
+        swarm.close()
+    need = host_need(swarm.cfg, 1)
+    assert 0.6 * need <= peak * 1024 <= need, f"peak {peak / 1024:.0f} MiB, plan {need / 2**20:.0f} MiB"

@@ -37,7 +37,8 @@ holds one weight in fp32 and its stored form, not the model.
 Sizes: the GPU total adds `CUDA_RESERVE` for what lives outside torch's allocator (CUDA context, cuBLAS
 workspaces) and `ALLOCATOR_MARGIN` of the allocated peak for the caching allocator's rounding and fragmentation.
 A card's size is what the driver reports (nvidia-smi), which `parse_size` reads from "48GB" as 48 GiB. The host
-runtime (`HOST_RUNTIME`) is an assumption, not read off the code.
+runtime of a GPU node (`HOST_RUNTIME`) is an assumption, not read off the code; a CPU node's (`HOST_RUNTIME_CPU`) is
+measured.
 """
 
 from __future__ import annotations
@@ -56,7 +57,11 @@ ALLOCATOR_MARGIN = 0.05
 """Share of the allocated peak added for the caching allocator's block rounding and fragmentation."""
 HOST_RUNTIME = 3 * GIB
 """Host memory of the process tree without the tensors counted here: the interpreter, torch and its CUDA libraries,
-the hivemind DHT and averager processes, p2pd and the data pipeline."""
+the hivemind DHT and averager processes, p2pd and the data pipeline. An assumption for a node on a GPU."""
+HOST_RUNTIME_CPU = 5 * GIB // 4
+"""The same for a node that trains on the CPU, which loads no CUDA libraries: a tiny node's whole process tree
+peaked at 1.0 GiB (PSS, which counts the pages the forked helpers share with the node once; its tensors are a few
+tens of MiB), plus a quarter for margin. `tests/test_capacity.py` measures it."""
 COMPUTES = ("bf16", "fp32")
 FROZEN_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
 WIRE_SNAPSHOT_BYTES = {"fp16": 2, "none": 4, "int8": 2}
@@ -471,10 +476,11 @@ def max_shards(cfg: SpesConfig, device_memory: int, *, compute: str = "bf16") ->
 
 def host_need(cfg: SpesConfig, shards_held: int = 1) -> int:
     """Host memory of a node that trains on the CPU: its training state (the plan's allocated peak in fp32, what
-    a GPU would hold) and the host-side buffers of a running node (`host_running`) live in the same memory. It
-    writes its checkpoints in place (`checkpoint_writer`), so no checkpoint copy."""
+    a GPU would hold) and the host-side buffers of a running node (`host_running`) live in the same memory, beside
+    the CPU runtime (`HOST_RUNTIME_CPU`, no CUDA libraries). It writes its checkpoints in place
+    (`checkpoint_writer`), so no checkpoint copy."""
     running = memory_plan(cfg, shards_held, advise=False)
-    host = running.host_running - running.host_checkpoint
+    host = running.host_running - running.host_checkpoint - running.host_runtime + HOST_RUNTIME_CPU
     return memory_plan(cfg, shards_held, compute="fp32", advise=False).allocated + host
 
 
