@@ -17,8 +17,10 @@ So a helper gives back the tensors it inherited and does not use, first thing (`
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
+import math
 import multiprocessing
 import os
 import signal
@@ -78,6 +80,47 @@ def release_inherited_tensors(keep: Iterable[torch.Tensor] = (), min_bytes: int 
             continue
         released += nbytes
     return released
+
+
+def shared_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A flat CPU tensor in shared memory, for a helper forked after it is made (an averager) to work on the same
+    pages, that leaves nothing behind however the processes end.
+
+    hivemind shares tensors by file name (torch's "file_system" strategy): each is a file in /dev/shm, which is
+    memory, and the files are removed by torch's shm manager process when the last process using them exits. A
+    stop that ends the manager as well (systemd's SIGTERM to every process of the service, an `ip netns pids` kill,
+    a container runtime's kill in the host's /dev/shm) left them there until the machine restarts: at spes-7b the
+    averagers' buffers, several GiB a stop. Made here by file descriptor instead, the memory has no name: the
+    kernel frees it with the last process that maps it. A forked helper inherits the mapping; a tensor made here
+    is not meant to be sent to another process by pickling."""
+    with sharing_by_descriptor():
+        return torch.empty(numel, dtype=dtype).share_memory_()
+
+
+@contextlib.contextmanager
+def sharing_by_descriptor():
+    """torch's "file_descriptor" sharing strategy meanwhile, hivemind's "file_system" after. Also around a call that
+    moves `shared_empty` tensors to shared memory again (hivemind's averager does, as it is made): by file name, it
+    would copy them into a named file."""
+    previous = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_descriptor")
+    try:
+        yield
+    finally:
+        torch.multiprocessing.set_sharing_strategy(previous)
+
+
+def shared_like(tensors: Iterable[torch.Tensor], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """Uninitialised tensors of the shapes of `tensors`, views of one `shared_empty` block (one file descriptor for
+    all of them, not one each: spes-7b's groups have hundreds of tensors)."""
+    shapes = [t.shape for t in tensors]
+    block = shared_empty(sum(math.prod(shape) for shape in shapes), dtype)
+    views, offset = [], 0
+    for shape in shapes:
+        size = math.prod(shape)
+        views.append(block[offset : offset + size].view(shape))
+        offset += size
+    return views
 
 
 def exit_with_children() -> None:

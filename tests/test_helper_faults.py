@@ -150,3 +150,52 @@ def test_the_watch_tells_a_dht_process_whose_p2pd_died():
         assert problem == "the DHT process's p2pd exited (code -9)", problem
     finally:
         dht.shutdown()
+
+
+def _shm_bytes(pids) -> dict[str, int]:
+    """torch's shared-memory files in /dev/shm made by `pids` (named torch_<pid>_...), with their sizes."""
+    found = {}
+    for pid in pids:
+        for path in Path("/dev/shm").glob(f"torch_{pid}_*"):
+            try:
+                found[path.name] = path.stat().st_size
+            except OSError:  # removed meanwhile
+                continue
+    return found
+
+
+def test_a_node_killed_with_all_its_processes_leaves_its_averagers_buffers_nowhere(tmp_path):
+    """systemd's stop signals every process of a service at once, torch's shm manager included, and so does the
+    kill of a network namespace's processes; a file in /dev/shm (memory) that the manager did not remove stays until
+    the machine restarts. The averagers' buffers (at spes-7b several GiB) must not be such files."""
+    swarm = Swarm(tmp_path, num_shards=1)
+    try:
+        node = swarm.start("a", "--wait-peers", "1")
+        swarm.wait_for(lambda: "round 2 done" in swarm.log("a"), 240, "round 2")
+        # the DHT and averager processes, p2pd, torch's shm manager (its name cut to 15 bytes by the kernel)
+        tree = [node.pid, *descendants(node.pid)]
+        assert "torch_shm_manag" in {_comm(pid) for pid in tree}, (
+            "no shm manager to kill: the test shows nothing"
+        )
+        swarm.expected_deaths.add("a")
+        for pid in tree:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        node.wait(30)
+        wait_for(lambda: not any(running(pid) for pid in tree), 60, "every process of the node to end")
+    finally:
+        swarm.close()
+    left = _shm_bytes(tree)
+    for name in left:  # the machine's memory back before anything is asserted
+        (Path("/dev/shm") / name).unlink(missing_ok=True)
+    # hivemind's own small shared buffers (its futures' states) may stay: bytes, not the groups' tensors
+    assert sum(left.values()) < 4096, f"left in /dev/shm: {left}"
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""

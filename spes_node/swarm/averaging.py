@@ -47,6 +47,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from spes_node.config import WIRE_BYTES
 from spes_node.devices import HOST, to_host
+from spes_node.procs import shared_like
 from spes_node.swarm.codecs import wire_compression
 from spes_node.swarm.robust import BanList, GroupOutcome, RobustAverager, RobustPolicy
 from spes_node.swarm.swarm_key import SwarmKey
@@ -356,10 +357,9 @@ def shared_buffers(tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     the same pages), made one tensor at a time from the tensors as they are, wherever they live: a copy in host
     memory first, then the averager's, had two copies of a group in host memory at once (1.7 GiB for a spes-1b
     shard), at startup and at every shard move."""
-    buffers = []
-    for tensor in tensors.values():
-        buffer = torch.empty(tensor.shape, dtype=torch.float32).share_memory_()
-        buffers.append(buffer.copy_(tensor.detach()))
+    buffers = shared_like(tensors.values())  # `procs.shared_empty`: nothing left in /dev/shm however we end
+    for buffer, tensor in zip(buffers, tensors.values()):
+        buffer.copy_(tensor.detach())
     return buffers
 
 

@@ -99,7 +99,7 @@ from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
-from spes_node.procs import bind_to_parent, release_inherited_tensors
+from spes_node.procs import bind_to_parent, release_inherited_tensors, shared_like, sharing_by_descriptor
 from spes_node.swarm.handlers import Registration, release_stream_handlers
 from spes_node.swarm.swarm_key import SwarmKey
 
@@ -725,7 +725,10 @@ class RobustAverager(DecentralizedAverager):
     ):
         if updates and differences:
             raise ValueError("differences are of averaged weights, not of averaged updates")
-        super().__init__(averaged_tensors, dht, prefix=prefix, start=False, **kwargs)
+        with (
+            sharing_by_descriptor()
+        ):  # hivemind moves the tensors to shared memory: ours are there, with no name
+            super().__init__(averaged_tensors, dht, prefix=prefix, start=False, **kwargs)
         self.policy, self.swarm_key, self.updates = policy, swarm_key, updates
         self.differences = differences
         self._step_control = None
@@ -733,7 +736,8 @@ class RobustAverager(DecentralizedAverager):
         self.residual: tuple[torch.Tensor, ...] | None = None
         if updates and error_feedback and lossy:
             # before the averager process starts, so that it shares these buffers with us
-            self.residual = tuple(torch.zeros_like(t).share_memory_() for t in self._averaged_tensors)
+            dtype = self._averaged_tensors[0].dtype
+            self.residual = tuple(t.zero_() for t in shared_like(self._averaged_tensors, dtype))
         self._banned: frozenset[PeerID] = frozenset()
         self._tag = swarm_key.join_tag(prefix, self.peer_id.to_bytes()) if swarm_key is not None else b""
         self.registration = Registration()
