@@ -725,9 +725,8 @@ class RobustAverager(DecentralizedAverager):
     ):
         if updates and differences:
             raise ValueError("differences are of averaged weights, not of averaged updates")
-        with (
-            sharing_by_descriptor()
-        ):  # hivemind moves the tensors to shared memory: ours are there, with no name
+        # hivemind moves the tensors to shared memory: ours are there already, with no name (`procs.shared_empty`)
+        with sharing_by_descriptor():
             super().__init__(averaged_tensors, dht, prefix=prefix, start=False, **kwargs)
         self.policy, self.swarm_key, self.updates = policy, swarm_key, updates
         self.differences = differences
