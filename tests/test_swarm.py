@@ -156,7 +156,11 @@ def test_late_joiner_starts_from_swarm_weights(swarm_factory):
     swarm_loss = min(swarm.summary(name)["loss_history"][2] for name in ("a", "b"))
     assert "downloaded the swarm state" in swarm.log("late")
     assert late["first_loss"] < fresh_loss - 1.0, (late["first_loss"], fresh_loss)
-    assert late["first_loss"] < swarm_loss + 0.5, (late["first_loss"], swarm_loss)
+    # round means against round means: one step's loss (one batch of another data part) was 3.0-3.25 in runs,
+    # against the swarm's round-3 means of 2.8-3.3, and once above their lowest + 0.5. A fresh node's first
+    # round averages 4.9
+    late_round = late["loss_history"][0]
+    assert late_round < swarm_loss + 0.5, (late_round, swarm_loss)
     assert late["round"] >= 4
 
 
