@@ -101,7 +101,8 @@ def shared_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor
 def sharing_by_descriptor():
     """torch's "file_descriptor" sharing strategy meanwhile, hivemind's "file_system" after. Also around a call that
     moves `shared_empty` tensors to shared memory again (hivemind's averager does, as it is made): by file name, it
-    would copy them into a named file."""
+    would copy them into a named file. The strategy is the process's: a tensor another thread shares meanwhile goes
+    by descriptor as well, which works the same (torch passes the descriptor along)."""
     previous = torch.multiprocessing.get_sharing_strategy()
     torch.multiprocessing.set_sharing_strategy("file_descriptor")
     try:
