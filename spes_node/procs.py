@@ -115,13 +115,8 @@ def shared_like(tensors: Iterable[torch.Tensor], dtype: torch.dtype = torch.floa
     """Uninitialised tensors of the shapes of `tensors`, views of one `shared_empty` block (one file descriptor for
     all of them, not one each: spes-7b's groups have hundreds of tensors)."""
     shapes = [t.shape for t in tensors]
-    block = shared_empty(sum(math.prod(shape) for shape in shapes), dtype)
-    views, offset = [], 0
-    for shape in shapes:
-        size = math.prod(shape)
-        views.append(block[offset : offset + size].view(shape))
-        offset += size
-    return views
+    sizes = [math.prod(shape) for shape in shapes]
+    return [part.view(shape) for part, shape in zip(shared_empty(sum(sizes), dtype).split(sizes), shapes)]
 
 
 def exit_with_children() -> None:

@@ -1,6 +1,5 @@
 """--shards/--max-shards: parsing, the capacity from the memory plan, and the join command's one-line refusals."""
 
-import glob
 import logging
 import os
 import re
@@ -19,6 +18,7 @@ from spes_node.cli import main
 from spes_node.config import load_preset
 from spes_node.daemon.capacity import ShardRequest, parse_shard_request, shard_capacity
 from spes_node.daemon.plan import GIB, host_need, max_shards
+from spes_node.procs import descendants
 
 CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
@@ -207,26 +207,12 @@ def _smaps_kib(pid: int, fields: tuple[str, ...]) -> int:
     return sum(int(kib) for name, kib in re.findall(r"^(\w+):\s+(\d+) kB", text, re.M) if name in fields)
 
 
-def _descendants(pid: int) -> list[int]:
-    found, stack = [], [pid]
-    while stack:
-        parent = stack.pop()
-        for task in glob.glob(f"/proc/{parent}/task/*/children"):
-            try:
-                children = [int(c) for c in open(task).read().split()]
-            except OSError:
-                continue
-            found += children
-            stack += children
-    return found
-
-
 def _tree_kib(node: int) -> int:
     """The node's process tree as a machine running it alone sees it: the node's resident set, each forked helper's
     own pages (what it shares with the node counts once, in the node), p2pd's and torch's shm manager's resident
     sets. Unlike PSS, it does not shrink when other processes (other tests' nodes) map the same libraries."""
     total = _smaps_kib(node, ("Rss",))
-    for pid in _descendants(node):
+    for pid in descendants(node):
         try:
             forked = os.readlink(f"/proc/{pid}/exe") == os.readlink(f"/proc/{node}/exe")
         except OSError:  # exited meanwhile
