@@ -14,6 +14,8 @@ setting's seeds differ only by the seed. Settings:
   quarter of H) into the next round and is applied with the progress made since;
 - spes_4x1_overlap_shards (not in the default runs): spes_4x1_overlap with only the shards' all-reduces overlapped;
   the shared parameters' result is applied at once, as published;
+- spes_4x1_overlap_shards_shared1 (not in the default runs): spes_4x1_overlap_shards with the shared parameters'
+  result landing one local step into the next round (`swarm.shared_lag_steps` = 1);
 - spes_4x1_16e: spes_4x1 on the model with twice the experts, whose all-experts node does not fit the per-node
   memory that diloco uses (equal per-node memory; measured from the tensors).
 - spes_4x1_uneven (not in the default runs): spes_4x1 on unequal cards, whose faster nodes train while they wait
@@ -116,6 +118,16 @@ SETUPS = {
             overlap_groups=("shard",),
             description="spes_4x1_overlap with only the shards' all-reduces overlapped (the shared parameters' "
             "result applied at once)",
+        ),
+        Setting(
+            "spes_4x1_overlap_shards_shared1",
+            4,
+            1,
+            overlap_steps=5,
+            overlap_groups=("shard",),
+            shared_lag_steps=1,
+            description="spes_4x1_overlap_shards with the shared parameters' result landing 1 step late "
+            "(`swarm.shared_lag_steps` = 1)",
         ),
         Setting(
             "spes_4x1_overlap_blend",

@@ -68,6 +68,10 @@ class Setting:
     overlap_groups: tuple[str, ...] = ("shared", "shard")
     """With overlap, the groups whose all-reduce runs beside the next round's steps; the others' result is applied
     at once, training waiting for it (("shard",): only the shards' all-reduces, the bulk of the bytes, overlap)."""
+    shared_lag_steps: int = 0
+    """With only the shards overlapped (`overlap_groups=("shard",)`), the shared parameters' result lands this many
+    local steps into the next round instead of at once (`swarm.shared_lag_steps`: training goes on through the
+    matchmaking and the shared all-reduce, for at most this many steps). fp32 wire only."""
     overlap_blend: float | None = None
     """With overlap, how the landed round meets the local weights: None adds the local progress made since to the
     round's result (the daemon's rule); a number b blends them instead, b x local + (1 - b) x result (Streaming
@@ -263,11 +267,12 @@ class SimSwarm:
             "shared": {k: v.detach().clone() for k, v in self.nodes[0].group("shared").items()},
             "shard": {node.index: _clone(node.group("shard")) for node in self.nodes},
         }
-        if setting.overlap_steps and setting.wire != "fp32":
+        if (setting.overlap_steps or setting.shared_lag_steps) and setting.wire != "fp32":
             raise ValueError(f"{setting.name}: overlap is simulated with the fp32 wire only")
-        self.pending: list[tuple[SimNode, str, dict, dict]] | None = None
+        self.pending: list[tuple[SimNode, str, dict, dict, int]] | None = None
         """With overlap, the round in flight: (node, group, its weights when the round began, the outer step's
-        result on them); `_land` adds the progress made since."""
+        result on them, the local steps into the next round it lands after); `_land` adds the progress made
+        since."""
         self.round = 0
         self.log = RunLog()
         self.int8_errors: list[tuple[float, float]] = []
@@ -280,11 +285,17 @@ class SimSwarm:
         """Every node's `sync_steps` local steps (and its `extra_steps`), the round in flight landing after
         `overlap_steps` of them; (mean training loss, tokens)."""
         H = self.cfg.swarm.sync_steps
-        first = min(self.setting.overlap_steps, H) if self.pending is not None else 0
-        losses, tokens = self._steps(0, first)
+        lags = []
         if self.pending is not None:
-            self._land()
-        more, more_tokens = self._steps(first, H)
+            lags = sorted({min(lag, H) for *_, lag in self.pending}) or [min(self._lag(), H)]
+        losses, tokens, done = [], 0, 0
+        for lag in lags:
+            more, more_tokens = self._steps(done, lag)
+            losses += more
+            tokens += more_tokens
+            self._land(lag)
+            done = lag
+        more, more_tokens = self._steps(done, H)
         losses += more
         tokens += more_tokens
         # at the learning rate of the round's end, as the daemon runs steps past H
@@ -310,7 +321,7 @@ class SimSwarm:
     def sync(self) -> None:
         """The round: the all-reduces, then (at once, or with overlap when the round lands) the refresh and the
         merge warm-up."""
-        if self.setting.overlap_steps:
+        if self._lag():
             self.pending = []
         self._average("shared", self.nodes, self.start["shared"])
         for shard in range(self.setting.num_shards):
@@ -326,17 +337,35 @@ class SimSwarm:
         if self.pending is not None:
             self._land()
 
+    def _lag(self, kind: str | None = None) -> int:
+        """Local steps into the next round after which a group's result lands (0: at once); without `kind`, the
+        longest of the groups'."""
+        setting = self.setting
+        lags = {
+            "shared": setting.overlap_steps
+            if "shared" in setting.overlap_groups
+            else setting.shared_lag_steps,
+            "shard": setting.overlap_steps if "shard" in setting.overlap_groups else 0,
+        }
+        return lags[kind] if kind is not None else max(lags.values())
+
     @torch.no_grad()
-    def _land(self) -> None:
+    def _land(self, lag: int | None = None) -> None:
+        """Land the groups in flight whose lag is `lag` (all of them when None); the refresh and merge follow the
+        last."""
         blend = self.setting.overlap_blend
-        for node, kind, before, result in self.pending:
+        H = self.cfg.swarm.sync_steps
+        landing = [entry for entry in self.pending if lag is None or min(entry[4], H) == lag]
+        for node, kind, before, result, _ in landing:
             for name, tensor in node.group(kind).items():
                 if blend is None:
                     tensor.copy_(result[name] + (tensor - before[name]))
                 else:
                     tensor.copy_(blend * tensor + (1 - blend) * result[name])
-        self.pending = None
-        self._after_round()
+        self.pending = [entry for entry in self.pending if not any(entry is e for e in landing)]
+        if not self.pending:
+            self.pending = None
+            self._after_round()
 
     def _after_round(self) -> None:
         self._refresh_and_merge()
@@ -378,12 +407,12 @@ class SimSwarm:
         else:
             averaged = {name: torch.stack([local[name] for local in locals_]).mean(0) for name in start}
         for m, local in zip(members, locals_):
-            if self.pending is None or kind not in self.setting.overlap_groups:
+            if self.pending is None or not self._lag(kind):
                 m.outer[kind].apply(local, averaged)
                 continue
             before, result = _clone(local), _clone(local)
             m.outer[kind].apply(result, averaged)
-            self.pending.append((m, kind, before, result))
+            self.pending.append((m, kind, before, result, self._lag(kind)))
 
     def _refresh(self) -> None:
         """Every node's frozen copy of shard j becomes the weights of j's (first) holder."""
@@ -415,7 +444,7 @@ class SimSwarm:
         out = {k: v.detach().clone() for k, v in shared_parameters(self.nodes[0].model).items()}
         for shard in range(self.setting.num_shards):
             out.update(_clone(shard_tensors(self.holders(shard)[0].model, shard)))
-        for node, kind, _, result in self.pending or []:
+        for node, kind, _, result, _ in self.pending or []:
             if node is (self.nodes[0] if kind == "shared" else self.holders(node.shard)[0]):
                 out.update(_clone(result))
         return out

@@ -363,9 +363,51 @@ def test_simulated_overlap_of_the_shards_only_applies_the_shared_average_at_once
     )
     for node in (a, b):  # the shards' all-reduce is in flight: the nodes keep their own shard weights
         assert all(torch.equal(v, shard_before[node.index][k]) for k, v in node.group("shard").items())
-    assert {kind for _, kind, _, _ in swarm.pending} == {"shard"}
+    assert {entry[1] for entry in swarm.pending} == {"shard"}
     swarm.land()
     assert all(torch.equal(v, b.group("shard")[k]) for k, v in a.group("shard").items())
+
+
+def test_simulated_shared_lag_lands_the_shared_average_a_step_in_and_the_shards_later(tmp_path):
+    from benchmarks.quality_sim import Setting, SimSwarm, initial_weights, reshard, setting_config
+    from spes_node.model.tokenizer import load_tokenizer
+
+    base = _sim_base(tmp_path)
+    setting = Setting(
+        "shared1", 1, 2, merge=False, overlap_steps=3, overlap_groups=("shard",), shared_lag_steps=1
+    )
+    cfg = setting_config(base, setting, total_batch=4)
+    init = reshard(initial_weights(cfg, 0), cfg.model.num_layers, 1)
+    swarm = SimSwarm(cfg, setting, init, load_tokenizer(cfg.data.tokenizer), seed=0)
+    swarm.train_round()
+    swarm.sync()
+    a, b = swarm.nodes
+    assert sorted((entry[1], entry[4]) for entry in swarm.pending if entry[0] is a) == [
+        ("shard", 3),
+        ("shared", 1),
+    ]
+    pending = {(entry[0].index, entry[1]): entry for entry in swarm.pending}
+    landed_at = {}
+    original = swarm._land
+
+    def land(lag=None):
+        kind = "shared" if lag == 1 else "shard"
+        # a group lands as the round's result plus the local progress made since the sync
+        expected = {}
+        for n in (a, b):
+            _, _, at_sync, result, _ = pending[(n.index, kind)]
+            expected[n.index] = {k: result[k] + (v - at_sync[k]) for k, v in n.group(kind).items()}
+        original(lag)
+        landed_at[lag] = [n.trainer.step for n in (a, b)]
+        for n in (a, b):
+            for k, v in n.group(kind).items():
+                assert torch.allclose(v, expected[n.index][k], atol=1e-6), (lag, k)
+
+    swarm._land = land
+    swarm.train_round()
+    H = cfg.swarm.sync_steps
+    assert landed_at == {1: [H + 1, H + 1], 3: [H + 3, H + 3]}
+    assert swarm.pending is None
 
 
 def test_simulated_unequal_cards_train_their_extra_steps_each_round(tmp_path):
