@@ -210,6 +210,13 @@ class SwarmConfig:
     0.928-0.941 of the loop without syncs on 100 Mbit/s links against 0.856-0.876 (false: training waits for every
     all-reduce, as published). The last round of a `--max-rounds` run waits. `overlap` overlaps every group and
     supersedes it."""
+    shared_lag_steps: int = 0
+    """With `overlap_shards`: training goes on for up to this many local steps while the shared parameters'
+    all-reduce (its matchmaking included) runs, and its result lands with the local progress made meanwhile, at the
+    first step boundary after it is done, or after that many steps (training then waits for it). A node that reaches
+    the sync before the last member of its shared group trains through that wait, up to a step, instead of idling
+    (0: training waits for the shared all-reduce). Costs no memory with the plain average of weights; Nesterov and
+    update averaging keep an fp32 host copy of the shared parameters while it runs."""
     train_while_waiting: bool = True
     """A node that reaches the sync while peers it averages with are still training goes on training, step by step
     while another ends before the slowest of them is due by its record (at most a round's wait), instead of idling
@@ -242,6 +249,11 @@ class SwarmConfig:
             _require(getattr(self, name) > 0, f"swarm.{name}", "must be positive")
         _require(
             self.refresh_parallel >= 0, "swarm.refresh_parallel", "must be >= 0 (0: every shard at once)"
+        )
+        _require(
+            0 <= self.shared_lag_steps < self.sync_steps,
+            "swarm.shared_lag_steps",
+            f"must be >= 0 and below swarm.sync_steps ({self.sync_steps})",
         )
         _require(
             self.outer_optimizer in OUTER_OPTIMIZERS,

@@ -100,7 +100,7 @@ def test_the_round_begins_on_the_records_read_at_step_h_unless_a_refresh_was_in_
     node = Node(None, NodeOptions(checkpoint_dir=tmp_path))
     node.peer_id = "QmNode"
     node.trainer = SimpleNamespace(step=10)
-    node.cfg = SimpleNamespace(swarm=SimpleNamespace(num_shards=4))
+    node.cfg = SimpleNamespace(swarm=SimpleNamespace(num_shards=4, shared_lag_steps=0))
     node.pacer = RoundPacer(sync_steps=5)
     node.pacer.note_step(1.0)
     node.steps_into_round = 5
@@ -112,7 +112,7 @@ def test_the_round_begins_on_the_records_read_at_step_h_unless_a_refresh_was_in_
         refresh_in_flight=lambda: refreshing,
         wait_ahead=lambda nodes, round_, me: 0.2,  # shorter than a step: no training on
         finish_pending=lambda: 0,
-        begin_round=lambda inputs, overlap, overlap_shards: began.append(inputs.nodes),
+        begin_round=lambda inputs, overlap, overlap_shards, shared_lag: began.append(inputs.nodes),
     )
     assert node._at_sync(overlap=False, overlap_shards=False)
     assert len(began) == 1

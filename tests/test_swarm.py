@@ -239,8 +239,12 @@ def test_a_joiner_tries_its_bootstrap_peer_again_until_it_answers(swarm_factory,
     assert "cannot reach the bootstrap peers yet" in log and "Traceback" not in log, log[-3000:]
 
 
-def test_overlapping_the_shards_only_lands_the_shared_average_at_once_and_the_shards_later(swarm_factory):
-    swarm = swarm_factory(num_shards=1, overlap_shards=True)
+@pytest.mark.parametrize("shared_lag", [0, 1])
+def test_overlapping_the_shards_only_lands_the_shared_average_at_once_and_the_shards_later(
+    swarm_factory, shared_lag
+):
+    """With `shared_lag_steps` = 1, the shared average lands one step into the next round instead of at once."""
+    swarm = swarm_factory(num_shards=1, overlap_shards=True, shared_lag_steps=shared_lag)
     names = ("a", "b")
     for name, rounds in _two_holders_three_rounds(swarm, names).items():
         for report in rounds:
@@ -250,6 +254,9 @@ def test_overlapping_the_shards_only_lands_the_shared_average_at_once_and_the_sh
             assert not report["errors"], report
         # the shards' all-reduces ran beside the next steps; the last round (the node leaves after it) waited
         assert [r["overlapped"] for r in rounds] == [True, True, False], rounds
+        # an all-reduce takes longer than the moment between the round's start and the next step's: with the lag,
+        # the shared average lands after one step
+        assert [r["shared_landed_after"] for r in rounds] == [shared_lag, shared_lag, 0], rounds
         assert "Traceback" not in swarm.log(name)
     # the last round averaged both groups at once: both nodes leave with the same weights
     a, b = (swarm.checkpoint(name).tensors for name in names)

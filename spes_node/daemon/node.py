@@ -866,6 +866,8 @@ class Node:
             while self.pacer.another_step(self.steps_into_round) and not self.stop_event.is_set():
                 self.sync.apply_pending()
                 self.status.add_bytes("refresh", 0, self.sync.take_refresh_bytes())
+                if self.sync.shared_due(self.steps_into_round):
+                    self.sync.land_shared(self.steps_into_round)
                 if self.sync.round_ready():
                     self._complete_round()
                 stats = self.trainer.train_step(self.status.round * H + min(self.steps_into_round, H))
@@ -903,7 +905,8 @@ class Node:
             self.pacer.new_round()
             self.tokens_since_sync = 0
             if overlap_shards:
-                self.sync.land_shared()
+                if not self.cfg.swarm.shared_lag_steps:  # else it lands between the next steps (`shared_due`)
+                    self.sync.land_shared()
                 self.status.state = "training"
             elif not overlap:
                 self._complete_round()
@@ -1021,7 +1024,9 @@ class Node:
             data_part=self.data_part,
             steps=self.steps_into_round,
         )
-        self.sync.begin_round(inputs, overlap=overlap, overlap_shards=overlap_shards)
+        self.sync.begin_round(
+            inputs, overlap=overlap, overlap_shards=overlap_shards, shared_lag=self.cfg.swarm.shared_lag_steps
+        )
         if overlap:
             self.status.state = "training"
 

@@ -348,6 +348,8 @@ def memory_plan(
     anchor = 4 * trainable if s.average == "updates" and s.outer_optimizer != "nesterov" else 0
     copies = s.average == "updates" or s.outer_optimizer == "nesterov"
     overlapped = trainable if s.overlap else shards_held * counts["shard"] if s.overlap_shards else 0
+    if s.overlap_shards and not s.overlap and s.shared_lag_steps:  # the shared parameters' copy too
+        overlapped += counts["shared"]
     overlapped = overlapped if copies else 0
     outer = nesterov + 4 * overlapped + anchor
     static = weights + optimizer + frozen

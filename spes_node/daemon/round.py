@@ -139,6 +139,8 @@ class RoundReport:
     """Where the round's `seconds` went: "matchmaking" (finding groups, waiting for their members), "allreduce"
     (the longest of its all-reduces) and "after" (applying the averages, then catching up, refreshing, merging and
     publishing). With `overlapped`, the first two also hold the local steps trained meanwhile."""
+    shared_landed_after: int = 0
+    """Local steps trained after the round began and before the shared result landed (`swarm.shared_lag_steps`)."""
     members: list[str] = field(default_factory=list)
     """The other peers of the round's groups (a node leaving after this round waits until they have ended it)."""
 
@@ -170,6 +172,7 @@ class RoundReport:
             "steps": self.steps,
             "steps_while_waiting": self.steps_while_waiting,
             "phases": dict(self.phases),
+            "shared_landed_after": self.shared_landed_after,
             "members": list(self.members),
         }
 
@@ -190,8 +193,13 @@ class _Flight:
     """Peers whose records made the round wait for them (see `progress.no_shows`)."""
     shared_landed: tuple[GroupResult, dict[str, torch.Tensor] | None] | None = None
     """Overlapping the shards only: the shared parameters' result, applied already (`land_shared`)."""
+    shared_landed_after: int = 0
+    """Local steps trained before `land_shared` applied it."""
     overlapped: bool = False
     """Some of the round's all-reduces run while training goes on (`swarm.overlap`, `swarm.overlap_shards`)."""
+    shared_lag: int = 0
+    """Overlapping the shards only: local steps training may go on while the shared all-reduce runs
+    (`swarm.shared_lag_steps`; 0: `land_shared` is called at once)."""
 
     def handles(self) -> list:
         return [self.shared, *self.shards.values()]
@@ -408,10 +416,14 @@ class SpesRound:
 
     # ------------------------------------------------------------------ the round
 
-    def begin_round(self, inputs: RoundInputs, overlap: bool, overlap_shards: bool = False) -> None:
+    def begin_round(
+        self, inputs: RoundInputs, overlap: bool, overlap_shards: bool = False, shared_lag: int = 0
+    ) -> None:
         """Start the all-reduces on a copy of the weights. With `overlap`, training goes on meanwhile and
         `complete_round` later applies the average together with the local progress made since; with
-        `overlap_shards`, the same for the shards' groups only, once `land_shared` has applied the shared one."""
+        `overlap_shards`, the same for the shards' groups only, once `land_shared` has applied the shared one; with
+        `shared_lag` too, training goes on for up to that many steps before the shared one lands (`shared_due`)."""
+        shared_lag = shared_lag if overlap_shards and not overlap else 0
         self.finish_pending()
         restarted = self._restart_unhealthy_averagers()
         gather = (inputs.round, inputs.step, inputs.tokens_since_sync)
@@ -456,7 +468,7 @@ class SpesRound:
             shared=shared_handle,
             shards=shard_handles,
             sent_shared=_to_host(shared_local)
-            if overlap and self._keeps_sent("shared", shared_handle)
+            if (overlap or shared_lag) and self._keeps_sent("shared", shared_handle)
             else None,
             sent_shards={
                 shard: _to_host(local)
@@ -466,8 +478,9 @@ class SpesRound:
             },
             errors=errors,
             waited_for=sorted(self._waited_ahead | {peer for peer, eta in etas.items() if eta > 0}),
-            overlapped=(overlap and shared_handle is not None)
+            overlapped=((overlap or shared_lag) and shared_handle is not None)
             or ((overlap or overlap_shards) and any(h is not None for h in shard_handles.values())),
+            shared_lag=shared_lag,
         )
         self._waited_ahead = set()
 
@@ -591,13 +604,23 @@ class SpesRound:
                 logger.error(said[-1])
         return said
 
-    def land_shared(self) -> None:
-        """Overlapping the shards only: wait for the shared parameters' all-reduce and apply its result now, before
-        training goes on (`complete_round` reports it with the rest of the round)."""
+    def land_shared(self, steps_since: int = 0) -> None:
+        """Overlapping the shards only: wait for the shared parameters' all-reduce and apply its result now, with
+        the local progress of the `steps_since` steps trained since the round began (`shared_lag`), before training
+        goes on (`complete_round` reports it with the rest of the round)."""
         flight = self._inflight
         result, averaged = self._finish(self.shared_avg, flight.shared)
-        self._apply("shared", self.shared_outer, shared_parameters(self.model), None, averaged)
-        flight.shared_landed = (result, averaged)
+        self._apply("shared", self.shared_outer, shared_parameters(self.model), flight.sent_shared, averaged)
+        flight.shared_landed, flight.shared_landed_after = (result, averaged), steps_since
+
+    def shared_due(self, steps_since: int) -> bool:
+        """Whether the shared result of a round begun with a `shared_lag` lands now, `steps_since` local steps
+        after the round began: once its all-reduce is over (never blocks), or once the lag's steps are trained
+        (`land_shared` then waits for it)."""
+        flight = self._inflight
+        if flight is None or not flight.shared_lag or flight.shared_landed is not None:
+            return False
+        return flight.shared is None or flight.shared.over() or steps_since >= flight.shared_lag
 
     def _apply(self, key: str, outer, local: dict, sent: dict | None, averaged: dict | None) -> None:
         """A group's result into `local` (see `anchors.apply_difference`, `anchors.apply_update` and
@@ -666,6 +689,7 @@ class SpesRound:
             overlapped=flight.overlapped,
             steps=inputs.steps,
             steps_while_waiting=max(inputs.steps - self.cfg.swarm.sync_steps, 0),
+            shared_landed_after=flight.shared_landed_after,
         )
         report.errors.extend(flight.errors)
         averaged_in = time.perf_counter() - flight.started
@@ -726,6 +750,11 @@ class SpesRound:
             f"{(summary['bytes_shared'] + summary['bytes_shard']) / 1e6:.2f} MB averaged, {report.seconds:.1f}s "
             f"({', '.join(f'{phase} {seconds:.1f}s' for phase, seconds in report.phases.items())})"
             + (" (overlapped)" if report.overlapped else "")
+            + (
+                f", shared average landed {report.shared_landed_after} step(s) in"
+                if report.shared_landed_after
+                else ""
+            )
             + (
                 f", {report.steps_while_waiting} steps trained while waiting"
                 if report.steps_while_waiting
