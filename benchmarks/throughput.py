@@ -14,7 +14,9 @@ that slowdown is not in the share-of-time ratio, and the mean step time of each 
 
 The headline is the run with the preset's own round options: `overlap_shards` by default (the shards' all-reduces
 run beside the next steps, `swarm.overlap_shards`), `overlap` with `swarm.overlap`, the sync as published with
-neither; "as published" and "overlap" are reported beside it. `--variants` can add `sync_int8` and
+neither; "as published" and "overlap" are reported beside it. `overlap_shards_lag` is `overlap_shards` with
+`swarm.shared_lag_steps` = 1 (training goes on for a step while the shared all-reduce runs). `--variants` can add
+`sync_int8` and
 `overlap_int8`: the same with int8 pseudo-gradients on the wire (`swarm.average = "updates"`,
 `swarm.wire_compression = "int8"`), half the fp16 weights' bytes per all-reduce, and `sync_idle`: the sync as
 published before nodes trained while waiting for slower peers (`swarm.train_while_waiting = false`: a node that
@@ -85,6 +87,7 @@ def node_rate(node: NodeRun, sync_steps: int) -> dict:
         "round_seconds": [r["end"] - r["start"] for r in rounds],
         "round_steps": [r.get("report", {}).get("steps") for r in rounds],
         "round_phases": [r.get("report", {}).get("phases", {}) for r in rounds],
+        "round_stalled": [r.get("report", {}).get("stalled") for r in rounds],
     }
 
 
@@ -93,6 +96,7 @@ VARIANTS = (
     "no_sync",
     "overlap",
     "overlap_shards",
+    "overlap_shards_lag",
     "sync_int8",
     "overlap_int8",
     "sync_idle",
@@ -108,8 +112,9 @@ def config(settings: dict, variant: str) -> SpesConfig:
     swarm = {
         "num_shards": S,
         "replication_target": n // S,
-        "overlap": variant.startswith("overlap") and variant != "overlap_shards",
-        "overlap_shards": variant == "overlap_shards",
+        "overlap": variant.startswith("overlap") and not variant.startswith("overlap_shards"),
+        "overlap_shards": variant.startswith("overlap_shards"),
+        "shared_lag_steps": 1 if variant == "overlap_shards_lag" else 0,
         "train_while_waiting": not variant.endswith("_idle"),
     }
     return load_preset(settings["preset"]).replace(
@@ -157,7 +162,13 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
     base = variants["no_sync"]["tokens_per_s_per_node"]
     whole_base = variants["no_sync"]["whole_run_tokens_per_s_per_node"]
     preset = load_preset(settings["preset"]).swarm
-    default = "overlap" if preset.overlap else "overlap_shards" if preset.overlap_shards else "sync"
+    default = (
+        "overlap"
+        if preset.overlap
+        else ("overlap_shards_lag" if preset.shared_lag_steps else "overlap_shards")
+        if preset.overlap_shards
+        else "sync"
+    )
     default = default if default in variants else "sync"  # the preset's own not run: the sync as published
     other_ratios = {
         f"throughput_ratio_{name}": variants[name]["compute_share"] / share
@@ -194,6 +205,7 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
                 "matchmaking s",
                 "all-reduce s",
                 "after s",
+                "stalled s",
                 "load",
             ],
             [
@@ -208,6 +220,7 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
                     / len(v["nodes"]),
                     _mean_round_steps(v["nodes"]),
                     *(_mean_phase(v["nodes"], phase) for phase in ("matchmaking", "allreduce", "after")),
+                    _mean_stalled(v["nodes"]),
                     v["load"]["loadavg_1min_mean"],
                 ]
                 for name, v in variants.items()
@@ -244,6 +257,12 @@ def _mean_round_steps(nodes: list[dict]) -> float | None:
 def _mean_phase(nodes: list[dict], phase: str) -> float | None:
     """Seconds of a round's `phase` (`RoundReport.phases`) over every node's rounds, the first (warm-up) left out."""
     seconds = [p[phase] for node in nodes for p in node.get("round_phases", [])[1:] if phase in p]
+    return sum(seconds) / len(seconds) if seconds else None
+
+
+def _mean_stalled(nodes: list[dict]) -> float | None:
+    """Seconds a round held training (`RoundReport.stalled`) over every node's rounds, the first left out."""
+    seconds = [s for node in nodes for s in node.get("round_stalled", [])[1:] if s is not None]
     return sum(seconds) / len(seconds) if seconds else None
 
 

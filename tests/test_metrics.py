@@ -93,12 +93,20 @@ def test_a_round_report_counts_once(metrics):
     assert samples[("spes_steps_while_waiting_total", ())] == 5
     assert samples[("spes_round_steps", ())] == 12
     # the time of the rounds counted, by phase
-    metrics.update(status, _report(7, phases={"matchmaking": 0.5, "allreduce": 3.0, "after": 0.25}))
-    metrics.update(status, _report(7, phases={"matchmaking": 9.0, "allreduce": 9.0, "after": 9.0}))
-    metrics.update(status, _report(8, phases={"matchmaking": 0.25, "allreduce": 2.0, "after": 0.5}))
+    metrics.update(
+        status, _report(7, phases={"matchmaking": 0.5, "allreduce": 3.0, "after": 0.25}, stalled=1.0)
+    )
+    metrics.update(
+        status, _report(7, phases={"matchmaking": 9.0, "allreduce": 9.0, "after": 9.0}, stalled=9.0)
+    )
+    metrics.update(
+        status, _report(8, phases={"matchmaking": 0.25, "allreduce": 2.0, "after": 0.5}, stalled=0.5)
+    )
     samples = _samples(metrics.render().decode())
     phases = {p: samples[("spes_round_phase_seconds_total", (("phase", p),))] for p in PHASES}
     assert phases == {"matchmaking": 0.75, "allreduce": 5.0, "after": 0.75}
+    # and the time they held training (a report seen twice counts once)
+    assert samples[("spes_round_stalled_seconds_total", ())] == 1.5
 
 
 def test_unknown_values_before_the_first_step():

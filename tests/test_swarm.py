@@ -257,6 +257,10 @@ def test_overlapping_the_shards_only_lands_the_shared_average_at_once_and_the_sh
         # an all-reduce takes longer than the moment between the round's start and the next step's: with the lag,
         # the shared average lands after one step
         assert [r["shared_landed_after"] for r in rounds] == [shared_lag, shared_lag, 0], rounds
+        # the round held training for part of its time only: the step trained meanwhile is not in its stall
+        assert all(r["stalled"] > 0 for r in rounds), rounds
+        if shared_lag:
+            assert all(r["stalled"] < r["seconds"] for r in rounds[:2]), rounds
         assert "Traceback" not in swarm.log(name)
     # the last round averaged both groups at once: both nodes leave with the same weights
     a, b = (swarm.checkpoint(name).tensors for name in names)

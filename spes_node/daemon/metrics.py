@@ -48,6 +48,7 @@ class _Snapshot:
         self.round_steps = 0
         self.steps_while_waiting = 0
         self.phase_seconds = {phase: 0.0 for phase in PHASES}
+        self.stalled_seconds = 0.0
 
 
 class _NodeCollector(Collector):
@@ -100,6 +101,11 @@ class _NodeCollector(Collector):
             _counter("spes_rounds", "Rounds finished by this node.", s.rounds),
             _counter("spes_round_seconds", "Total time spent in round syncs.", s.round_seconds_total),
             phases,
+            _counter(
+                "spes_round_stalled_seconds",
+                "Time the rounds held training (less than spes_round_seconds where all-reduces run beside steps).",
+                s.stalled_seconds,
+            ),
             _gauge("spes_round_steps", "Local steps of the last finished round.", s.round_steps),
             _counter(
                 "spes_steps_while_waiting",
@@ -172,6 +178,8 @@ class NodeMetrics:
                 s.failed_parts += int(report.get("failed_parts", 0))
                 s.round_steps = int(report.get("steps", 0))
                 s.steps_while_waiting += int(report.get("steps_while_waiting", 0))
+                stalled = float(report.get("stalled", 0.0))
+                s.stalled_seconds += stalled if math.isfinite(stalled) and stalled >= 0 else 0.0
                 for phase, seconds in report.get("phases", {}).items():
                     if phase in s.phase_seconds and math.isfinite(seconds) and seconds >= 0:
                         s.phase_seconds[phase] += seconds

@@ -141,6 +141,11 @@ class RoundReport:
     publishing). With `overlapped`, the first two also hold the local steps trained meanwhile."""
     shared_landed_after: int = 0
     """Local steps trained after the round began and before the shared result landed (`swarm.shared_lag_steps`)."""
+    stalled: float = 0.0
+    """Seconds the round held the training thread: starting it, waiting for the results it applies (all of them,
+    or the shared parameters' with `overlap_shards`), applying them and what follows (`after`). With overlap,
+    `seconds` runs beside the steps and only this stalls training. The node's own work at the sync (its record,
+    the records' read, a checkpoint) comes on top."""
     members: list[str] = field(default_factory=list)
     """The other peers of the round's groups (a node leaving after this round waits until they have ended it)."""
 
@@ -173,6 +178,7 @@ class RoundReport:
             "steps_while_waiting": self.steps_while_waiting,
             "phases": dict(self.phases),
             "shared_landed_after": self.shared_landed_after,
+            "stalled": self.stalled,
             "members": list(self.members),
         }
 
@@ -195,6 +201,8 @@ class _Flight:
     """Overlapping the shards only: the shared parameters' result, applied already (`land_shared`)."""
     shared_landed_after: int = 0
     """Local steps trained before `land_shared` applied it."""
+    stalled: float = 0.0
+    """Seconds the training thread spent in `begin_round` and `land_shared` so far."""
     overlapped: bool = False
     """Some of the round's all-reduces run while training goes on (`swarm.overlap`, `swarm.overlap_shards`)."""
     shared_lag: int = 0
@@ -424,6 +432,7 @@ class SpesRound:
         `overlap_shards`, the same for the shards' groups only, once `land_shared` has applied the shared one; with
         `shared_lag` too, training goes on for up to that many steps before the shared one lands (`shared_due`)."""
         shared_lag = shared_lag if overlap_shards and not overlap else 0
+        called = time.perf_counter()
         self.finish_pending()
         restarted = self._restart_unhealthy_averagers()
         gather = (inputs.round, inputs.step, inputs.tokens_since_sync)
@@ -483,6 +492,7 @@ class SpesRound:
             shared_lag=shared_lag,
         )
         self._waited_ahead = set()
+        self._inflight.stalled = time.perf_counter() - called
 
     def _keeps_sent(self, key: str, handle) -> bool:
         """Whether an overlapped group keeps a host copy of the weights it hands over: to land its result with the
@@ -609,9 +619,11 @@ class SpesRound:
         the local progress of the `steps_since` steps trained since the round began (`shared_lag`), before training
         goes on (`complete_round` reports it with the rest of the round)."""
         flight = self._inflight
+        called = time.perf_counter()
         result, averaged = self._finish(self.shared_avg, flight.shared)
         self._apply("shared", self.shared_outer, shared_parameters(self.model), flight.sent_shared, averaged)
         flight.shared_landed, flight.shared_landed_after = (result, averaged), steps_since
+        flight.stalled += time.perf_counter() - called
 
     def shared_due(self, steps_since: int) -> bool:
         """Whether the shared result of a round begun with a `shared_lag` lands now, `steps_since` local steps
@@ -647,6 +659,7 @@ class SpesRound:
     def complete_round(self) -> RoundReport:
         """Apply the averages, then (unless the node is stopping) catch up, refresh, merge, rebalance and settle
         the data part; returns what changed."""
+        called = time.perf_counter()
         flight, self._inflight = self._inflight, None
         inputs = flight.inputs
         landed = flight.shared_landed
@@ -738,6 +751,7 @@ class SpesRound:
         report.banned = sorted(self.bans.active())
         report.add_bytes("refresh", 0, self.take_refresh_bytes())
         report.anchors = {key: anchor_id[:16] for key, anchor_id in self.anchor_ids.items()}
+        report.stalled = flight.stalled + time.perf_counter() - called
         self.last_report = report.as_dict()
         self._log(report)
         return report
@@ -748,7 +762,8 @@ class SpesRound:
         logger.info(
             f"round {report.round} done: loss {report.loss:.4f}, shared group {report.shared_group}, {shard_groups}, "
             f"{(summary['bytes_shared'] + summary['bytes_shard']) / 1e6:.2f} MB averaged, {report.seconds:.1f}s "
-            f"({', '.join(f'{phase} {seconds:.1f}s' for phase, seconds in report.phases.items())})"
+            f"({', '.join(f'{phase} {seconds:.1f}s' for phase, seconds in report.phases.items())}; "
+            f"training stalled {report.stalled:.1f}s)"
             + (" (overlapped)" if report.overlapped else "")
             + (
                 f", shared average landed {report.shared_landed_after} step(s) in"
