@@ -228,6 +228,47 @@ def test_an_overlapped_round_copies_only_the_groups_that_need_their_sent_weights
             spes_round.loop.stop()
 
 
+def test_a_node_rounds_behind_the_swarm_averages_nothing_into_its_groups():
+    """A node that the records show rounds behind (a joiner whose download outlasted rounds, a paused node) takes
+    the swarm's weights at the round's end (`catch_up_target`); it starts no all-reduce first, which would average
+    its old weights into the swarm's. Where it would end the round one behind the records, it averages (the skew of
+    nodes ending a round a moment apart: `progress.should_catch_up`)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from spes_node.daemon.round import RoundInputs
+    from spes_node.model.moe import MoEForCausalLM
+    from spes_node.model.ownership import apply_ownership
+    from spes_node.swarm import records
+
+    cfg = load_preset("tiny").replace(swarm={"num_shards": 1})
+    model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+    apply_ownership(model, [0])
+    spes_round = _round(cfg, threading.Event(), model)
+    started = []
+    try:
+        spes_round.reset_outer()
+        # averagers that are never asked: the round hands each step to `_unless_stopped`, which records it
+        spes_round.shared_avg = spes_round.shard_avgs[0] = SimpleNamespace(step=print, healthy=True)
+        spes_round._unless_stopped = lambda start, key, *args, **kwargs: started.append(key) or object()
+        me = records.NodeInfo(peer_id="me", shards=[0], round=4, state="training")
+        for peer_round, averages in ((9, False), (7, False), (6, True), (4, True)):
+            peer = records.NodeInfo(peer_id="peer", shards=[0], round=peer_round, state="training")
+            started.clear()
+            with torch.no_grad():
+                spes_round.begin_round(
+                    RoundInputs(4, 40, 100, 3.0, {"me": me, "peer": peer}, me, (0, 1)), False
+                )
+            flight, spes_round._inflight = spes_round._inflight, None
+            if averages:
+                assert sorted(started) == ["shard0", "shared"], peer_round
+            else:
+                assert not started and flight.shared is None and flight.shards == {0: None}, peer_round
+    finally:
+        spes_round.loop.stop()
+
+
 def test_a_node_taking_the_swarm_state_takes_its_own_shard_of_the_shared_parameters_round():
     """The records a catching-up node reads may be a round old: the shared parameters then come of a later round
     than the records say. Its own shard must be of that round too (a holder in the middle of a merge still serves

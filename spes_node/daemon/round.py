@@ -442,6 +442,15 @@ class SpesRound:
         shared_local = shared_parameters(self.model)
         shards_local = {shard: shard_tensors(self.model, shard) for shard in self.shards}
         others = live_peers({**inputs.missed, **inputs.nodes}, self.peer_id, self.bans.active())
+        behind = catch_up_target(inputs.round + 1, inputs.nodes, self.peer_id, self.bans.active())
+        if behind is not None:
+            # `complete_round` takes the swarm's weights (the same records, the same target): averaging ours into
+            # the groups first would pull the swarm's weights back towards a state rounds old (a joiner whose
+            # download outlasted rounds gave its first group half the weight)
+            logger.info(
+                f"round {inputs.round + 1}: the swarm is at round {behind}: not averaging, taking its weights"
+            )
+            others = {}
         extra, etas = self._expected_wait(others, inputs.round, inputs.me)
         missed = len(others.keys() & inputs.missed.keys())
         logger.info(
@@ -739,9 +748,12 @@ class SpesRound:
                 for key, anchor_id, peers, their_round, norm in resyncs:
                     self._resync(report, key, anchor_id, peers, their_round, norm)
             own_taken = any(part.startswith("shard:") for part in report.resynced)
-            # a state taken from the swarm is merged already when the round was a merge round
+            # a state taken from the swarm is merged already when the round was a merge round, and its frozen
+            # copies are as fresh as a refresh would make them: a refresh asked for now waited for the holders'
+            # next round, with the node's own round start behind it (and the holder's round waiting for the node)
+            taken = report.state_taken is not None
             report.refreshed, report.merged = self._refresh_and_merge(
-                nodes, report.round, own_taken, merge=report.state_taken is None
+                nodes, report.round, own_taken, merge=not taken, refresh=not taken
             )
             self._maybe_rebalance(nodes, inputs.me, report.round)
             report.shards = self.shards
@@ -874,13 +886,14 @@ class SpesRound:
         return shard_shapes(self.model, _shard_of(part))
 
     def _refresh_and_merge(
-        self, nodes: dict, round_: int, own_taken: bool = False, merge: bool = True
+        self, nodes: dict, round_: int, own_taken: bool = False, merge: bool = True, refresh: bool = True
     ) -> tuple[int, bool]:
         """Refresh frozen experts (in the background) and run the merge warm-up when due (and `merge`: not when
-        the round's state was taken from the swarm, merged already); (refreshed, merged). `own_taken`: an own
-        shard's weights were taken from its group after this round was first published."""
+        the round's state was taken from the swarm, merged already; `refresh`: not when the frozen copies were
+        just taken with it); (refreshed, merged). `own_taken`: an own shard's weights were taken from its group
+        after this round was first published."""
         swarm = self.cfg.swarm
-        due_refresh, due_merge = refresh_due(round_, swarm), merge and merge_due_at(round_, swarm)
+        due_refresh, due_merge = refresh and refresh_due(round_, swarm), merge and merge_due_at(round_, swarm)
         # The merge reads every expert as it was before anyone merged: holders serve that state as
         # "premerge:<j>" for this round only, and every node merges from the same copies, so replicas stay identical.
         self.publish_snapshots(round_, premerge=due_merge, restart=own_taken)
