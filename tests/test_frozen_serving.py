@@ -127,5 +127,32 @@ def test_a_merge_round_serves_its_shard_only_once_merged_and_its_merge_inputs_as
         loop.stop()
 
 
+def test_a_shard_the_node_moved_away_from_or_to_is_refused_at_once_not_after_the_timeout():
+    # a requester that read the node's record before it moved asks for the shard it no longer trains (or for a
+    # frozen copy of the one it trains now): "no such state" at once, while a part of a later round is waited for
+    server = StateServer(p2p=None, run_id="r", config_hash="h", compression=NoCompression())
+    loop = LoopThread("test-publisher")
+    try:
+        loop.run(_condition(server))
+        publisher = SnapshotPublisher(server, loop, torch.float32)
+        model = MoEForCausalLM(load_preset("tiny").model, 2)
+        apply_ownership(model, [1])
+        publisher.publish(
+            4, {}, {1: {"w": torch.ones(3)}}, {0: FrozenShard(frozen_shard_buffers(model, 0), read_stored)}
+        )
+        assert set(server.snapshots) == {"shared", "shard:1", "copy:0"}
+        for part in ("shard:0", "copy:1"):
+            # an hour's timeout: only the answer at once ends it within the minute the test waits
+            assert loop.submit(server._wait_for(part, min_round=4, timeout=3600)).result(60) is None, part
+        # an older round of a part it serves is waited for, as before
+        waiting = loop.submit(server._wait_for("shard:1", min_round=5, timeout=30))
+        publisher.publish(
+            5, {}, {1: {"w": torch.ones(3)}}, {0: FrozenShard(frozen_shard_buffers(model, 0), read_stored)}
+        )
+        assert waiting.result(30).round == 5
+    finally:
+        loop.stop()
+
+
 async def _condition(server: StateServer) -> None:
     server._updated = asyncio.Condition()
