@@ -304,7 +304,8 @@ def test_a_node_taking_the_swarm_state_takes_its_own_shard_of_the_shared_paramet
             if self.newest[part] < min_round:
                 raise TransferError(f"no {part} of round {min_round}")
             tensors = shared_parameters(model) if part == "shared" else shard_tensors(model, int(part[-1]))
-            served = {name: torch.zeros_like(t) for name, t in tensors.items()}
+            value = 7.0 if part.startswith("copy:") else 0.0
+            served = {name: torch.full_like(t, value) for name, t in tensors.items()}
             return "holder", Download(self.newest[part], served, 0, 0.0, ("holder",))
 
     spes_round = _round(cfg, threading.Event(), model)
@@ -320,6 +321,16 @@ def test_a_node_taking_the_swarm_state_takes_its_own_shard_of_the_shared_paramet
         spes_round.fetcher = Fetcher({"shared": 20, "shard:0": 19, "shard:1": 19})
         assert spes_round.take_swarm_state({}, 3, min_round=19).round == 20
         assert asked == [("shared", 19), ("shard:0", 20), ("shard:0", 19), ("shard:1", 19)], asked
+
+        # the holder by the records moved away from shard 0 since they were read: it serves a frozen copy of it,
+        # which the node takes rather than keep weights rounds older
+        asked.clear()
+        spes_round.fetcher = Fetcher({"shared": 20, "shard:0": -1, "copy:0": 20, "shard:1": 20})
+        assert spes_round.take_swarm_state({}, 3, min_round=19).round == 20
+        assert asked == [("shared", 19), ("shard:0", 20), ("shard:0", 19), ("copy:0", 19), ("shard:1", 19)], (
+            asked
+        )
+        assert all(bool((t == 7.0).all()) for t in shard_tensors(model, 0).values())
     finally:
         spes_round.loop.stop()
 

@@ -971,8 +971,18 @@ class SpesRound:
             try:
                 peer, download = self._fetch_first_round(peers, part, rounds, split=not follows)
             except TransferError as e:
-                logger.warning(f"shard {shard} keeps its local weights: {e}")
-                continue
+                # the records were read before a node moved to or from this shard: its holders by them serve only
+                # a frozen copy of it now, or the copies asked for are a new holder's own shard. Asked the other
+                # way, any node's is better than keeping weights rounds older (a joiner's own shard kept its
+                # initial weights while the node that had trained it held them as a copy)
+                other = f"copy:{shard}" if part.startswith("shard:") else f"shard:{shard}"
+                try:
+                    peer, download = self._fetch_first_round(shared_peers, other, [min_round], split=True)
+                except TransferError:
+                    logger.warning(f"shard {shard} keeps its local weights: {e}")
+                    continue
+                logger.info(f"shard {shard}: taken as {other} from {peer[:12]} ({part} is served by none)")
+                part, frozen, follows = other, False, False
             load_shard_tensors(self.model, shard, download.tensors)
             self.frozen.held.pop(shard, None)
             if frozen:
