@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -145,6 +146,7 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
                 no_sync=name == "no_sync",
                 step_delays={0: settings["slow_node_delay_s"]} if name.startswith("uneven") else None,
             )
+        _drop_checkpoints(nodes)
         rates = [node_rate(n, cfg.swarm.sync_steps) for n in nodes]
         variants[name] = {
             "tokens_per_s_per_node": sum(r["tokens_per_s"] for r in rates) / len(rates),
@@ -258,6 +260,14 @@ def _mean_phase(nodes: list[dict], phase: str) -> float | None:
     """Seconds of a round's `phase` (`RoundReport.phases`) over every node's rounds, the first (warm-up) left out."""
     seconds = [p[phase] for node in nodes for p in node.get("round_phases", [])[1:] if phase in p]
     return sum(seconds) / len(seconds) if seconds else None
+
+
+def _drop_checkpoints(nodes: list[NodeRun]) -> None:
+    """Remove the nodes' checkpoints, which the benchmark does not read: the small preset checkpoints every round,
+    245 MiB a node, up to three kept, so each variant left about 3 GB in the workdir (20 GB for two runs)."""
+    for node in nodes:
+        for path in node.directory.glob("step-*"):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _mean_stalled(nodes: list[dict]) -> float | None:

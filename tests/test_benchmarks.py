@@ -445,6 +445,20 @@ def test_throughput_steady_state_begins_at_the_first_sync_whatever_round_1_train
     assert rate["round_steps"] == [3, 2]
 
 
+def test_throughput_drops_the_nodes_checkpoints_it_does_not_read(tmp_path):
+    from benchmarks.swarm import NodeRun
+    from benchmarks.throughput import _drop_checkpoints
+
+    node = NodeRun("n", tmp_path / "node0", tmp_path / "node0.log")
+    for step in (20, 40):
+        (node.directory / f"step-{step:08d}").mkdir(parents=True)
+        (node.directory / f"step-{step:08d}" / "model.safetensors").write_bytes(b"x" * 1024)
+    (node.directory / "summary.json").write_text("{}")
+    (node.directory / "timeline.json").write_text("{}")
+    _drop_checkpoints([node])
+    assert sorted(p.name for p in node.directory.iterdir()) == ["summary.json", "timeline.json"]
+
+
 def test_startup_memory_runs_every_phase_on_the_tiny_preset(tmp_path, monkeypatch):
     """Each phase in a fresh process, as the benchmark runs them, in order (a resume reads what `write` wrote, an
     init what `hf-write` wrote); the results file is written."""
