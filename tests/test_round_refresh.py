@@ -250,7 +250,9 @@ def test_a_node_rounds_behind_the_swarm_averages_nothing_into_its_groups():
     try:
         spes_round.reset_outer()
         # averagers that are never asked: the round hands each step to `_unless_stopped`, which records it
-        spes_round.shared_avg = spes_round.shard_avgs[0] = SimpleNamespace(step=print, healthy=True)
+        spes_round.shared_avg = spes_round.shard_avgs[0] = SimpleNamespace(
+            step=lambda *args, **kwargs: None, healthy=True
+        )
         spes_round._unless_stopped = lambda start, key, *args, **kwargs: started.append(key) or object()
         me = records.NodeInfo(peer_id="me", shards=[0], round=4, state="training")
         for peer_round, averages in ((9, False), (7, False), (6, True), (4, True)):
