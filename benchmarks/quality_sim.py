@@ -271,8 +271,8 @@ class SimSwarm:
             raise ValueError(f"{setting.name}: overlap is simulated with the fp32 wire only")
         self.pending: list[tuple[SimNode, str, dict, dict, int]] | None = None
         """With overlap, the round in flight: (node, group, its weights when the round began, the outer step's
-        result on them, the local steps into the next round it lands after); `_land` adds the progress made
-        since."""
+        result on them, the local steps into the next round it lands after, at most H); `_land` adds the progress
+        made since."""
         self.round = 0
         self.log = RunLog()
         self.int8_errors: list[tuple[float, float]] = []
@@ -287,7 +287,7 @@ class SimSwarm:
         H = self.cfg.swarm.sync_steps
         lags = []
         if self.pending is not None:
-            lags = sorted({min(lag, H) for *_, lag in self.pending}) or [min(self._lag(), H)]
+            lags = sorted({lag for *_, lag in self.pending}) or [min(self._lag(), H)]
         losses, tokens, done = [], 0, 0
         for lag in lags:
             more, more_tokens = self._steps(done, lag)
@@ -354,15 +354,14 @@ class SimSwarm:
         """Land the groups in flight whose lag is `lag` (all of them when None); the refresh and merge follow the
         last."""
         blend = self.setting.overlap_blend
-        H = self.cfg.swarm.sync_steps
-        landing = [entry for entry in self.pending if lag is None or min(entry[4], H) == lag]
+        landing = [entry for entry in self.pending if lag is None or entry[4] == lag]
         for node, kind, before, result, _ in landing:
             for name, tensor in node.group(kind).items():
                 if blend is None:
                     tensor.copy_(result[name] + (tensor - before[name]))
                 else:
                     tensor.copy_(blend * tensor + (1 - blend) * result[name])
-        self.pending = [entry for entry in self.pending if not any(entry is e for e in landing)]
+        self.pending = [entry for entry in self.pending if lag is not None and entry[4] != lag]
         if not self.pending:
             self.pending = None
             self._after_round()
@@ -412,7 +411,7 @@ class SimSwarm:
                 continue
             before, result = _clone(local), _clone(local)
             m.outer[kind].apply(result, averaged)
-            self.pending.append((m, kind, before, result, self._lag(kind)))
+            self.pending.append((m, kind, before, result, min(self._lag(kind), self.cfg.swarm.sync_steps)))
 
     def _refresh(self) -> None:
         """Every node's frozen copy of shard j becomes the weights of j's (first) holder."""

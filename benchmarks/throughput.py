@@ -16,8 +16,7 @@ The headline is the run with the preset's own round options: `overlap_shards` by
 run beside the next steps, `swarm.overlap_shards`), `overlap` with `swarm.overlap`, the sync as published with
 neither; "as published" and "overlap" are reported beside it. `overlap_shards_lag` is `overlap_shards` with
 `swarm.shared_lag_steps` = 1 (training goes on for a step while the shared all-reduce runs). `--variants` can add
-`sync_int8` and
-`overlap_int8`: the same with int8 pseudo-gradients on the wire (`swarm.average = "updates"`,
+`sync_int8` and `overlap_int8`: the same with int8 pseudo-gradients on the wire (`swarm.average = "updates"`,
 `swarm.wire_compression = "int8"`), half the fp16 weights' bytes per all-reduce, and `sync_idle`: the sync as
 published before nodes trained while waiting for slower peers (`swarm.train_while_waiting = false`: a node that
 reaches the sync first idles in matchmaking).

@@ -293,16 +293,23 @@ def _sim_base(tmp_path):
     )
 
 
-def test_simulated_overlap_applies_the_round_with_the_progress_made_since(tmp_path):
-    from benchmarks.quality_sim import Setting, SimSwarm, initial_weights, reshard, setting_config
-    from spes_node.model.ownership import shared_parameters
+def _sim_swarm(base, setting):
+    """A simulated swarm of `setting` on `base` (see `_sim_base`), every node from seed 0's initial weights."""
+    from benchmarks.quality_sim import SimSwarm, initial_weights, reshard, setting_config
     from spes_node.model.tokenizer import load_tokenizer
+
+    cfg = setting_config(base, setting, total_batch=4)
+    init = reshard(initial_weights(cfg, 0), cfg.model.num_layers, setting.num_shards)
+    return SimSwarm(cfg, setting, init, load_tokenizer(cfg.data.tokenizer), seed=0)
+
+
+def test_simulated_overlap_applies_the_round_with_the_progress_made_since(tmp_path):
+    from benchmarks.quality_sim import Setting
+    from spes_node.model.ownership import shared_parameters
 
     base = _sim_base(tmp_path)
     setting = Setting("overlap", 2, 1, merge=False, overlap_steps=2)
-    cfg = setting_config(base, setting, total_batch=4)
-    init = reshard(initial_weights(cfg, 0), cfg.model.num_layers, 2)
-    swarm = SimSwarm(cfg, setting, init, load_tokenizer(cfg.data.tokenizer), seed=0)
+    swarm = _sim_swarm(base, setting)
     swarm.train_round()
     swarm.sync()
     a, b = swarm.nodes
@@ -325,13 +332,7 @@ def test_simulated_overlap_applies_the_round_with_the_progress_made_since(tmp_pa
     assert swarm.pending is None
 
     # blended instead: half the local weights, half the round's result
-    blended = SimSwarm(
-        cfg,
-        Setting("blend", 2, 1, merge=False, overlap_steps=2, overlap_blend=0.5),
-        init,
-        load_tokenizer(cfg.data.tokenizer),
-        seed=0,
-    )
+    blended = _sim_swarm(base, Setting("blend", 2, 1, merge=False, overlap_steps=2, overlap_blend=0.5))
     blended.train_round()
     blended.sync()
     averaged = (weight(blended.nodes[0]) + weight(blended.nodes[1])) / 2
@@ -343,16 +344,13 @@ def test_simulated_overlap_applies_the_round_with_the_progress_made_since(tmp_pa
 
 
 def test_simulated_overlap_of_the_shards_only_applies_the_shared_average_at_once(tmp_path):
-    from benchmarks.quality_sim import Setting, SimSwarm, initial_weights, reshard, setting_config
+    from benchmarks.quality_sim import Setting
     from spes_node.model.ownership import shared_parameters
-    from spes_node.model.tokenizer import load_tokenizer
 
     base = _sim_base(tmp_path)
     # 2 nodes holding the same shard, so that the shard has a group to average in
     setting = Setting("overlap_shards", 1, 2, merge=False, overlap_steps=2, overlap_groups=("shard",))
-    cfg = setting_config(base, setting, total_batch=4)
-    init = reshard(initial_weights(cfg, 0), cfg.model.num_layers, 1)
-    swarm = SimSwarm(cfg, setting, init, load_tokenizer(cfg.data.tokenizer), seed=0)
+    swarm = _sim_swarm(base, setting)
     swarm.train_round()
     a, b = swarm.nodes
     shard_before = {n.index: {k: v.clone() for k, v in n.group("shard").items()} for n in (a, b)}
@@ -369,16 +367,14 @@ def test_simulated_overlap_of_the_shards_only_applies_the_shared_average_at_once
 
 
 def test_simulated_shared_lag_lands_the_shared_average_a_step_in_and_the_shards_later(tmp_path):
-    from benchmarks.quality_sim import Setting, SimSwarm, initial_weights, reshard, setting_config
-    from spes_node.model.tokenizer import load_tokenizer
+    from benchmarks.quality_sim import Setting
 
     base = _sim_base(tmp_path)
     setting = Setting(
         "shared1", 1, 2, merge=False, overlap_steps=3, overlap_groups=("shard",), shared_lag_steps=1
     )
-    cfg = setting_config(base, setting, total_batch=4)
-    init = reshard(initial_weights(cfg, 0), cfg.model.num_layers, 1)
-    swarm = SimSwarm(cfg, setting, init, load_tokenizer(cfg.data.tokenizer), seed=0)
+    swarm = _sim_swarm(base, setting)
+    cfg = swarm.cfg
     swarm.train_round()
     swarm.sync()
     a, b = swarm.nodes
@@ -411,14 +407,12 @@ def test_simulated_shared_lag_lands_the_shared_average_a_step_in_and_the_shards_
 
 
 def test_simulated_unequal_cards_train_their_extra_steps_each_round(tmp_path):
-    from benchmarks.quality_sim import Setting, SimSwarm, initial_weights, reshard, setting_config
-    from spes_node.model.tokenizer import load_tokenizer
+    from benchmarks.quality_sim import Setting
 
     base = _sim_base(tmp_path)
     setting = Setting("uneven", 2, 1, merge=False, extra_steps=(0, 3))
-    cfg = setting_config(base, setting, total_batch=4)
-    init = reshard(initial_weights(cfg, 0), cfg.model.num_layers, 2)
-    swarm = SimSwarm(cfg, setting, init, load_tokenizer(cfg.data.tokenizer), seed=0)
+    swarm = _sim_swarm(base, setting)
+    cfg = swarm.cfg
     tokens_per_step = cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.train.seq_len
     for round_ in (1, 2):
         _, tokens = swarm.train_round()
