@@ -99,6 +99,7 @@ def measure(
     latency: str,
     compression: str = "fp16",
     part_size: int | None = None,
+    part_window: int | None = None,
     timeout: float = 300.0,
 ) -> list[StepMeasure]:
     """`steps` all-reduces of `params` values among `peers` peers behind `rate_mbit` links."""
@@ -125,6 +126,7 @@ def measure(
                         "--allreduce-timeout",
                         str(timeout),
                         *(["--part-size", str(part_size)] if part_size else []),
+                        *(["--part-window", str(part_window)] if part_window else []),
                     ),
                     workdir / f"peer{i}.log",
                 )

@@ -24,6 +24,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage
 
 from spes_node.procs import descendants
+from spes_node.swarm import robust
 from spes_node.swarm.averaging import GroupAverager
 
 TENSOR_VALUES = 1 << 22
@@ -64,10 +65,17 @@ def main() -> None:
         type=int,
         help="hivemind's all-reduce part size in bytes, for an experiment (GroupAverager keeps hivemind's default)",
     )
+    parser.add_argument(
+        "--part-window",
+        type=int,
+        help="parts a reducer takes from each sender ahead of its results (default: robust.PART_WINDOW; 1: hivemind's lockstep)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.part_size:
         DecentralizedAverager.__init__.__kwdefaults__["part_size_bytes"] = args.part_size
+    if args.part_window:
+        robust.PART_WINDOW = args.part_window  # read when each all-reduce begins, in the forked averager too
 
     dht = DHT(initial_peers=[args.initial_peer], host_maddrs=[f"/ip4/{args.host_ip}/tcp/0"], start=True)
     # like replicas of one model: the same values on every peer, plus a little noise of its own

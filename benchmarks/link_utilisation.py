@@ -42,6 +42,7 @@ SETTINGS = {
     "steps": 3,
     "compression": "fp16",
     "part_size_bytes": None,
+    "part_window": None,
     "tbf_burst": TBF_BURST,
     "tbf_latency": TBF_LATENCY,
     "headline_rates_mbit": [50, 200],
@@ -101,6 +102,7 @@ def run_allreduce(workdir: Path, settings: dict, peers: int, rates: list[int]) -
             latency=settings["tbf_latency"],
             compression=settings["compression"],
             part_size=settings["part_size_bytes"],
+            part_window=settings["part_window"],
         )
         by_rate[str(rate)] = {"params": params, **summarize_allreduce(measures, rate)}
     emit(
@@ -247,6 +249,11 @@ def main() -> None:
     parser.add_argument("--peers", type=int)
     parser.add_argument("--steps", type=int)
     parser.add_argument("--part-size", type=int, help="all-reduce part size in bytes (default: hivemind's)")
+    parser.add_argument(
+        "--part-window",
+        type=int,
+        help="parts a reducer takes ahead per sender (default: the code's; 1: lockstep)",
+    )
     parser.add_argument("--values", type=int, help="values per all-reduce at every rate (default: by rate)")
     parser.add_argument("--no-latest", action="store_true", help="leave latest.json alone")
     parser.add_argument("--result", default="link_utilisation", help="name of the result file in results/")
@@ -260,6 +267,8 @@ def main() -> None:
         settings["steps"] = args.steps
     if args.part_size:
         settings["part_size_bytes"] = args.part_size
+    if args.part_window:
+        settings["part_window"] = args.part_window
     if args.values:
         settings["params_by_rate"] = {
             str(rate): args.values for rate in SETTINGS["rates_mbit"] + (args.rates or [])

@@ -7,10 +7,13 @@ import json
 import signal
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import hivemind
 import pytest
 import torch
+from hivemind.averaging.partition import BannedException
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import averaging_pb2
@@ -26,6 +29,7 @@ from spes_node.swarm.averaging import valid_gather
 from spes_node.swarm.identity import peer_id_of
 from spes_node.swarm.robust import (
     BanList,
+    RobustAllReduceRunner,
     RobustAverager,
     RobustPartReducer,
     RobustPolicy,
@@ -188,6 +192,147 @@ def test_reducer_aggregates_robustly_and_reports_the_bad_sender():
     torch.testing.assert_close(first[0], torch.full((16,), 1.01))
     torch.testing.assert_close(first[1], torch.full((4,), 1.01))
     assert rejected[0] == (2, "non-finite values")
+
+
+def test_reducer_takes_parts_ahead_and_reduces_each_once_complete():
+    # a sender that is ahead sends all its parts before the others send any: they are kept, not refused, and each
+    # part is reduced as soon as the last copy arrives (hivemind's reducer takes part k + 1 only after part k)
+    async def scenario():
+        shapes = [torch.Size([8])] * 4
+        reducer = RobustPartReducer(
+            shapes, 2, local_sender=0, policy=RobustPolicy(), on_reject=lambda s, r: None
+        )
+        ahead = [
+            asyncio.ensure_future(reducer.accumulate_part(1, i, torch.full((8,), 10.2 + i))) for i in range(4)
+        ]
+        await asyncio.sleep(0)
+        kept_before = (list(reducer.num_parts_received), reducer.current_part_index)
+        results = []
+        for i in range(4):
+            results.append(await reducer.accumulate_part(0, i, torch.full((8,), 10.0 + i)))
+            await ahead[i]
+            assert not any(a.done() for a in ahead[i + 1 :]), "reduced in order, each once complete"
+        return kept_before, results, await asyncio.gather(*ahead), reducer.finished.is_set()
+
+    kept_before, results, ahead_results, finished = asyncio.run(scenario())
+    assert kept_before == ([0, 4], 0), "all four parts of the sender ahead were taken in"
+    for i, (mine, theirs) in enumerate(zip(results, ahead_results)):
+        torch.testing.assert_close(mine, torch.full((8,), 10.1 + i))
+        assert torch.equal(mine, theirs)
+    assert finished
+
+
+def test_a_sender_that_fails_counts_for_no_part_not_yet_reduced_even_those_it_sent():
+    async def scenario():
+        rejected = []
+        shapes = [torch.Size([8])] * 3
+        reducer = RobustPartReducer(
+            shapes, 3, local_sender=0, policy=RobustPolicy(), on_reject=lambda s, r: rejected.append(s)
+        )
+        # sender 2 is rejected at part 0 (NaN) with parts 1 and 2 already in; like the runner, the rejection bans it
+        reducer.on_reject = lambda s, r: (rejected.append(s), reducer.on_sender_failed(s))
+        bad = [
+            asyncio.ensure_future(reducer.accumulate_part(2, 0, torch.full((8,), float("nan")))),
+            asyncio.ensure_future(reducer.accumulate_part(2, 1, torch.full((8,), 1e6))),
+            asyncio.ensure_future(reducer.accumulate_part(2, 2, torch.full((8,), 5.0))),
+        ]
+        honest = [
+            asyncio.ensure_future(reducer.accumulate_part(1, i, torch.full((8,), 1.02))) for i in range(3)
+        ]
+        own = [await reducer.accumulate_part(0, i, torch.ones(8)) for i in range(3)]
+        return (
+            own,
+            await asyncio.gather(*honest),
+            await asyncio.gather(*bad, return_exceptions=True),
+            rejected,
+        )
+
+    own, honest, bad, rejected = asyncio.run(scenario())
+    for result in own + honest:
+        torch.testing.assert_close(result, torch.full((8,), 1.01))
+    assert rejected == [2], "rejected once, for the part that was bad; its later parts were not used"
+    assert isinstance(bad[0], torch.Tensor), (
+        "it gets the result of the part it was rejected for, as in hivemind"
+    )
+    assert all(isinstance(b, BannedException) for b in bad[1:])
+
+
+def test_a_sender_lost_mid_stream_leaves_the_parts_to_the_others():
+    async def scenario():
+        reducer = RobustPartReducer(
+            [torch.Size([4])] * 3, 3, local_sender=0, policy=RobustPolicy(), on_reject=lambda s, r: None
+        )
+        lost = asyncio.ensure_future(reducer.accumulate_part(2, 0, torch.full((4,), 9.0)))
+        other = [
+            asyncio.ensure_future(reducer.accumulate_part(1, i, torch.full((4,), 1.02))) for i in range(3)
+        ]
+        await asyncio.sleep(0)
+        reducer.on_sender_failed(2)  # its stream broke after one part: the runner bans it
+        with pytest.raises(BannedException):
+            await reducer.accumulate_part(2, 1, torch.zeros(4))
+        own = [await reducer.accumulate_part(0, i, torch.ones(4)) for i in range(3)]
+        return own, await asyncio.gather(*other), await asyncio.gather(lost, return_exceptions=True)
+
+    own, other, lost = asyncio.run(scenario())
+    for result in own + other:
+        torch.testing.assert_close(result, torch.full((4,), 1.01))
+    assert isinstance(lost[0], BannedException)
+
+
+def test_the_reducer_reads_a_window_of_parts_ahead_of_its_results():
+    # the runner's stream handler against a sender whose groupmate (the local sender) has not sent part 0 yet:
+    # it takes `window` parts from the stream and no more until results can go back, then answers every part
+    window, parts = 3, 8
+
+    async def scenario():
+        runner = object.__new__(RobustAllReduceRunner)
+        runner.tensor_part_reducer = RobustPartReducer(
+            [torch.Size([4])] * parts, 2, local_sender=0, policy=RobustPolicy(), on_reject=lambda s, r: None
+        )
+        runner.tensor_part_container = SimpleNamespace(prefetch=1)
+        runner.window, runner.updates = window, False
+        runner.sender_peer_ids = ["local", "remote"]
+        banned = []
+
+        async def ban(peer):
+            banned.append(peer)
+
+        runner._ban_sender = ban
+        read = []
+
+        async def stream():
+            for i in range(parts):
+                read.append(i)
+                part = serialize_torch_tensor(torch.full((4,), 1.02 * (i + 1)))
+                yield averaging_pb2.AveragingData(
+                    code=averaging_pb2.PART_FOR_AVERAGING, tensor_part=part, weight=1
+                )
+
+        answers = []
+
+        async def consume():
+            async for message in runner._accumulate_parts_streaming(stream(), 1):
+                answers.append(deserialize_torch_tensor(message.tensor_part))
+
+        consumer = asyncio.ensure_future(consume())
+        while runner.tensor_part_reducer.num_parts_received[1] < window:
+            await asyncio.sleep(0.01)
+        for _ in range(20):  # nothing more arrives while part 0 waits for the local sender
+            await asyncio.sleep(0.01)
+        taken, pulled = runner.tensor_part_reducer.num_parts_received[1], len(read)
+        for i in range(parts):
+            await runner.tensor_part_reducer.accumulate_part(0, i, torch.full((4,), i + 1.0))
+        await consumer
+        return taken, pulled, answers, banned
+
+    taken, pulled, answers, banned = asyncio.run(scenario())
+    assert taken == window
+    # beyond the window: one part waiting for a slot, and hivemind's deserializer holding its prefetch (1) and one
+    # more it has pulled from the stream
+    assert pulled <= window + 3
+    assert len(answers) == parts and not banned
+    for i, delta in enumerate(answers):  # the average, 1.01 (i + 1), minus what was sent, 1.02 (i + 1)
+        torch.testing.assert_close(delta, torch.full((4,), -0.01 * (i + 1)))
 
 
 # ---------------------------------------------------------------------------------------------- small parts

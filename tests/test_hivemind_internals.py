@@ -15,6 +15,7 @@ from pathlib import Path
 
 import hivemind
 import pytest
+from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.partition import TensorPartReducer
@@ -57,14 +58,22 @@ def test_p2pd_arguments_are_built_where_the_relay_patch_hooks_in():
 
 
 def test_the_robust_reducer_copies_match_the_hivemind_they_replace():
-    # RobustPartReducer.accumulate_part re-implements hivemind's with one change (parts kept, not summed): the
-    # attributes it uses must still exist with the same meaning
-    hivemind_source = inspect.getsource(TensorPartReducer.accumulate_part)
-    for name in ("current_part_index", "current_part_future", "num_parts_received", "sender_failed_after",
-                 "current_part_accumulated_from", "check_current_part_finished", "finished"):  # fmt: skip
-        assert name in hivemind_source or name in inspect.getsource(TensorPartReducer), name
+    # RobustPartReducer replaces hivemind's reducer loop (parts kept per sender and part, a window ahead) on top of
+    # the state hivemind's __init__ sets up, and the runner drives it through the same calls
+    init = inspect.getsource(TensorPartReducer.__init__)
+    for name in ("self.num_parts", "self.finished", "self.num_parts_received", "self.sender_failed_after"):
+        assert name in init, name
+    assert "self.reset_accumulators()" in init
+    runner = inspect.getsource(AllReduceRunner)
+    for call in ("tensor_part_reducer.accumulate_part(", "tensor_part_reducer.on_sender_failed(",
+                 "tensor_part_reducer.finalize()", "tensor_part_reducer.finished.wait()"):  # fmt: skip
+        assert call in runner, call
     assert set(inspect.signature(RobustPartReducer.accumulate_part).parameters) == set(
         inspect.signature(TensorPartReducer.accumulate_part).parameters
+    )
+    # the windowed stream handler reads the sender's stream as hivemind's rpc_aggregate_part hands it over
+    assert "self._accumulate_parts_streaming(stream, sender_index)" in inspect.getsource(
+        AllReduceRunner.rpc_aggregate_part
     )
     # RobustAverager._run_allreduce_inplace_ replaces hivemind's, registering its runner the same way
     source = inspect.getsource(DecentralizedAverager._run_allreduce_inplace_)

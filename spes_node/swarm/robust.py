@@ -92,7 +92,13 @@ from hivemind.averaging.partition import (
     TensorPartContainer,
     TensorPartReducer,
 )
-from hivemind.compression import CompressionBase, CompressionInfo, NoCompression, deserialize_torch_tensor
+from hivemind.compression import (
+    CompressionBase,
+    CompressionInfo,
+    NoCompression,
+    deserialize_torch_tensor,
+    serialize_torch_tensor,
+)
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
@@ -106,6 +112,8 @@ from spes_node.swarm.swarm_key import SwarmKey
 logger = logging.getLogger(__name__)
 
 BAN_SECONDS = 3600.0
+PART_WINDOW = 8
+"""How many parts of a sender's stream a reducer takes in ahead of the results it has sent back (hivemind: 1)."""
 MAX_BANS = 4096
 _TINY = 1e-12
 _MODES = (AveragingMode.NODE.value, AveragingMode.CLIENT.value)
@@ -289,7 +297,14 @@ class UpdateBroadcast:
 
 
 class RobustPartReducer(TensorPartReducer):
-    """Collects every sender's copy of the current part and reduces them with `robust_mean`.
+    """Collects every sender's copy of each part and reduces them with `robust_mean`, part after part.
+
+    hivemind's reducer takes part k + 1 from nobody until every sender's part k is in, so all links to a reducer
+    move in lockstep and one that stalls a moment (a scheduling delay, a loss on a shaped link) stalls the others.
+    This one keeps whatever parts arrive, from any sender and for any part not yet reduced, and reduces each part
+    as soon as it is complete and every earlier one is reduced. How far a sender may run ahead is up to whoever
+    feeds it (`RobustAllReduceRunner` reads at most `PART_WINDOW` parts of a stream ahead of the results it has
+    sent back). A sender that fails or is rejected counts for none of the parts not yet reduced.
 
     With a `broadcast` (update averaging), each part's result is the pair (value, message) of
     `UpdateBroadcast.encode` instead of a tensor."""
@@ -306,57 +321,120 @@ class RobustPartReducer(TensorPartReducer):
     ):
         self.local_sender, self.policy, self.on_reject = local_sender, policy, on_reject
         self.broadcast = broadcast
-        self.contributions: dict[int, tuple[torch.Tensor, float]] = {}
+        self.contributions: dict[int, dict[int, tuple[torch.Tensor, float]]] = {}
+        """Part index -> sender -> (its part, its weight), for the parts not yet reduced."""
+        self.part_futures: dict[int, asyncio.Future] = {}
+        self._reducing = False
         super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self):
-        super().reset_accumulators()
-        self.contributions = {}
+        # hivemind's __init__ calls this once to start at part 0; no running sum is kept
+        self.current_part_index = 0
+        if self.num_parts == 0:
+            self.finalize()
+
+    def _part_future(self, part_index: int) -> asyncio.Future:
+        future = self.part_futures.get(part_index)
+        if future is None:
+            future = self.part_futures[part_index] = asyncio.get_running_loop().create_future()
+        return future
+
+    def _expected(self, part_index: int) -> int:
+        return sum(part_index < failed_after for failed_after in self.sender_failed_after)
 
     async def accumulate_part(
         self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
-    ) -> torch.Tensor:
-        # hivemind's accumulate_part, keeping each sender's part instead of adding it to a running sum
+    ) -> Any:
+        """Keep `tensor_part` as this sender's copy of the part and return the part's result once it is reduced."""
         assert 0 <= sender_index < self.num_senders, "invalid sender index"
         assert 0 <= part_index < self.num_parts, "invalid part index"
-        self.num_parts_received[sender_index] += 1
-        while part_index > self.current_part_index:
-            await asyncio.wait(
-                {self.current_part_future, asyncio.create_task(self.finished.wait())},
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-            if self.finished.is_set():
-                raise AllreduceException(f"attempted to aggregate part in a finalized {type(self).__name__}")
-        if self.sender_failed_after[sender_index] != float("inf"):
+        if self.finished.is_set():
+            raise AllreduceException(f"attempted to aggregate part in a finalized {type(self).__name__}")
+        if self.sender_failed_after[sender_index] != math.inf:
             raise BannedException(f"sender {sender_index} was banned in background")
-        assert part_index == self.current_part_index
-        current_part_future = self.current_part_future
-        self.contributions[sender_index] = (tensor_part, weight)
-        self.current_part_accumulated_from += 1
-        self.check_current_part_finished()
-        return await current_part_future
+        if part_index != self.num_parts_received[sender_index]:
+            raise AllreduceException(
+                f"sender {sender_index} sent part {part_index}, expected {self.num_parts_received[sender_index]}"
+            )
+        self.num_parts_received[sender_index] += 1
+        future = self._part_future(part_index)
+        self.contributions.setdefault(part_index, {})[sender_index] = (tensor_part, weight)
+        self._reduce_ready()
+        result = await asyncio.shield(future)  # one waiter cancelled must not cancel the part for the others
+        if part_index >= self.sender_failed_after[sender_index]:
+            raise BannedException(f"sender {sender_index} was banned before part {part_index} was reduced")
+        return result
+
+    def on_sender_failed(self, sender_index: int):
+        """Leave that sender out of every part not yet reduced, including those it has sent."""
+        self.sender_failed_after[sender_index] = min(
+            self.num_parts_received[sender_index], self.current_part_index
+        )
+        for part in self.contributions.values():
+            part.pop(sender_index, None)
+        self._reduce_ready()
 
     def check_current_part_finished(self):
-        assert self.current_part_accumulated_from <= self.num_current_senders
-        if self.current_part_accumulated_from < self.num_current_senders:
+        self._reduce_ready()
+
+    def _reduce_ready(self):
+        if self._reducing:  # a rejection reported from inside the loop below: the loop goes on by itself
             return
-        senders = sorted(self.contributions)
+        self._reducing = True
+        try:
+            while not self.finished.is_set() and self.current_part_index < self.num_parts:
+                index = self.current_part_index
+                parts = self.contributions.get(index, {})
+                assert len(parts) <= self._expected(index)
+                if len(parts) < self._expected(index):
+                    return
+                rejected = self._reduce(index, self.contributions.pop(index, {}))
+                self.current_part_index += 1
+                for (
+                    sender,
+                    reason,
+                ) in rejected:  # after the part is done, as hivemind bans: it gets this result
+                    self.on_reject(sender, reason)
+            if self.current_part_index >= self.num_parts:
+                self.finalize()
+        finally:
+            self._reducing = False
+
+    def _reduce(self, index: int, parts: dict[int, tuple[torch.Tensor, float]]) -> list[tuple[int, str]]:
+        """Set the result of part `index` from `parts`; returns the (sender, why) of the parts rejected."""
+        senders = sorted(parts)
         aggregate = robust_mean(
-            [self.contributions[s][0] for s in senders],
-            [self.contributions[s][1] for s in senders],
-            self.part_shapes[self.current_part_index],
+            [parts[s][0] for s in senders],
+            [parts[s][1] for s in senders],
+            self.part_shapes[index],
             own=senders.index(self.local_sender) if self.local_sender in senders else None,
             policy=self.policy,
         )
         result: Any = aggregate.result
         if self.broadcast is not None:
             used = len(senders) - len(aggregate.rejected)
-            result = self.broadcast.encode(self.current_part_index, result, aggregate.own_share, used)
-        self.current_part_future.set_result(result)
-        self.reset_accumulators()
-        for index, reason in aggregate.rejected.items():
-            if senders[index] != self.local_sender:
-                self.on_reject(senders[index], reason)
+            result = self.broadcast.encode(index, result, aggregate.own_share, used)
+        future = self._part_future(index)
+        if not future.done():
+            future.set_result(result)
+        return [
+            (senders[position], reason)
+            for position, reason in aggregate.rejected.items()
+            if senders[position] != self.local_sender
+        ]
+
+    def finalize(self):
+        if self.finished.is_set():
+            return
+        self.finished.set()
+        for future in self.part_futures.values():
+            if not future.done():
+                future.cancel()
+        self.contributions.clear()
+        if self.num_parts and self.num_senders:
+            expected, received = self.num_parts * self.num_senders, sum(self.num_parts_received)
+            if received != expected:
+                logger.warning(f"Reducer: received {received / expected * 100:.1f}% of input tensors")
 
 
 class CheckedPartContainer(TensorPartContainer):
@@ -463,7 +541,8 @@ class RobustAllReduceRunner(AllReduceRunner):
 
     `updates`: every member gets the same compressed average of each part (see the module docstring), and the
     runner yields values to apply instead of differences. `residual`: tensors shaped like ours that receive what
-    compression drops (`CheckedPartContainer`, `UpdateBroadcast`). `bytes_sent` and `bytes_received` count the
+    compression drops (`CheckedPartContainer`, `UpdateBroadcast`). `window`: how many parts of each sender's stream
+    it takes in ahead of the results sent back (`PART_WINDOW`). `bytes_sent` and `bytes_received` count the
     serialized messages of the all-reduce, in both roles."""
 
     def __init__(
@@ -476,6 +555,7 @@ class RobustAllReduceRunner(AllReduceRunner):
         on_reject: Callable[[PeerID, str], None],
         updates: bool = False,
         residual: Sequence[torch.Tensor] | None = None,
+        window: int | None = None,
         **kwargs,
     ):
         container_kwargs = {
@@ -487,6 +567,8 @@ class RobustAllReduceRunner(AllReduceRunner):
         self._on_reject = on_reject
         self.ignored = frozenset(ignored) - {self.peer_id}
         self.updates = updates
+        self.window = PART_WINDOW if window is None else window
+        assert self.window >= 1, "a reducer must take at least the part it reduces"
         self.bytes_sent = self.bytes_received = 0
         self.reducer_errors: dict[PeerID, str] = {}
         """Reducers whose part failed, and why (hivemind logs it at DEBUG only)."""
@@ -609,30 +691,68 @@ class RobustAllReduceRunner(AllReduceRunner):
     async def _accumulate_parts_streaming(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
     ):
-        if not self.updates:
-            async for message in super()._accumulate_parts_streaming(stream, sender_index):
-                yield message
-            return
-        # hivemind's, sending every sender the part's one compressed average instead of its own difference
+        # hivemind's reads a sender's next part only once it has sent back the result of the last, so every link to
+        # this reducer waits for the slowest; here a reader takes up to `window` parts ahead into the reducer while
+        # the results go back in order. With updates, every sender gets the part's one compressed average instead
+        # of its own difference.
+        reducer, loop = self.tensor_part_reducer, asyncio.get_running_loop()
+        in_flight: asyncio.Queue = asyncio.Queue()
+        slots = asyncio.Semaphore(self.window)
+
+        async def read() -> None:
+            try:
+                index = 0
+                async for tensor_part, weight, compression in amap_in_executor(
+                    lambda msg: (
+                        deserialize_torch_tensor(msg.tensor_part),
+                        msg.weight,
+                        msg.tensor_part.compression,
+                    ),
+                    stream,
+                    max_prefetch=self.tensor_part_container.prefetch,
+                ):
+                    await slots.acquire()
+                    result = asyncio.ensure_future(
+                        reducer.accumulate_part(sender_index, index, tensor_part, weight=weight)
+                    )
+                    in_flight.put_nowait((tensor_part, compression, result))
+                    index += 1
+            finally:
+                in_flight.put_nowait(None)
+
+        reader = asyncio.create_task(read())
         part_index = 0
         try:
-            async for tensor_part, weight in amap_in_executor(
-                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight),
-                stream,
-                max_prefetch=self.tensor_part_container.prefetch,
-            ):
+            while (item := await in_flight.get()) is not None:
+                tensor_part, compression, result = item
                 try:
-                    _, message = await self.tensor_part_reducer.accumulate_part(
-                        sender_index, part_index, tensor_part, weight=weight
-                    )
-                    part_index += 1
+                    averaged = await result
                 except BannedException:
                     logger.debug(f"Sender {sender_index} is already banned")
                     break
+                slots.release()
+                part_index += 1
+                if self.updates:
+                    message = averaged[1]
+                else:
+                    message = await loop.run_in_executor(
+                        None, _delta_message, averaged, tensor_part, compression
+                    )
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=message)
+            if part_index < reducer.num_parts and reader.done() and not reader.cancelled():
+                reader.result()  # the sender's stream failed (a timeout, a broken connection): say so
         finally:
-            if part_index != self.tensor_part_reducer.num_parts:
+            reader.cancel()
+            while not in_flight.empty():
+                if (item := in_flight.get_nowait()) is not None:
+                    item[2].cancel()
+            if part_index != reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+def _delta_message(averaged: torch.Tensor, sent: torch.Tensor, compression: int) -> runtime_pb2.Tensor:
+    """What a reducer sends back in weights mode: the part's result minus what the sender sent."""
+    return serialize_torch_tensor(averaged - sent, compression)
 
 
 class _CountingStub:
