@@ -136,12 +136,15 @@ def measure(
                 for p in procs:
                     p.next(timeout=180)
                 with CounterSampler(network, hz=SAMPLE_HZ) as sampler, _MachineSampler() as machine:
-                    raw = []
+                    raw, tcp = [], []
                     for _ in range(steps):
                         time.sleep(1.0)
+                        before = [network.tcp_segments(i) for i in range(peers)]
                         for p in procs:
                             p.send("go")
                         raw.append([p.next(timeout=timeout + 60) for p in procs])
+                        after = [network.tcp_segments(i) for i in range(peers)]
+                        tcp.append([(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)])
             finally:
                 for p in procs:
                     p.close()
@@ -150,11 +153,12 @@ def measure(
     # the raw link counters, for a look at the shape of a transfer
     (workdir / "counters.json").write_text(json.dumps({"samples": sampler.samples, "steps": raw}))
     out = []
-    for reports in raw:
+    for reports, segments in zip(raw, tcp):
         for i, report in enumerate(reports):
             seconds, sent, received = wire_window(sampler.samples[i], report, rate_mbit)
             busy = machine.busy(report.get("allreduce_began") or report["began"], report["done"])
-            out.append(StepMeasure(i, report["step"], report, seconds, sent, received, busy))
+            extra = {"tcp_segments_sent": segments[i][0], "tcp_segments_retransmitted": segments[i][1]}
+            out.append(StepMeasure(i, report["step"], report, seconds, sent, received, busy, extra))
     return out
 
 
@@ -247,6 +251,7 @@ def summarize(measures: list[StepMeasure], rate_mbit: float, skip_first: bool = 
                 "cpu_cores_busy": sum(cpu.values()) / t,
                 "cpu_cores_busy_p2pd": sum(v for k, v in cpu.items() if k.startswith("p2pd")) / t,
                 "machine_busy": m.machine_busy,
+                **m.extra,
             }
         )
     ok = [row for row in rows if "failed" not in row]
@@ -258,10 +263,17 @@ def summarize(measures: list[StepMeasure], rate_mbit: float, skip_first: bool = 
     per_step_cpu = {}
     for row in used:
         per_step_cpu[row["step"]] = per_step_cpu.get(row["step"], 0.0) + row["cpu_cores_busy"]
+    by_step = {step: [row for row in ok if row["step"] == step] for step in steps}
     return {
         "rate_mbit": rate_mbit,
         **{f"{key}_median": value for key, value in med.items()},
         "peers_cpu_cores_busy_median": median(list(per_step_cpu.values())),
+        "utilisation_by_step": [median([row["utilisation"] for row in rows]) for rows in by_step.values()],
+        "tcp_retransmitted_by_step": [
+            sum(row.get("tcp_segments_retransmitted", 0) for row in rows)
+            / max(1, sum(row.get("tcp_segments_sent", 0) for row in rows))
+            for rows in by_step.values()
+        ],
         "failed_steps": len(rows) - len(ok),
         "steps": rows,
     }

@@ -145,6 +145,13 @@ def run_allreduce(workdir: Path, settings: dict, peers: int, rates: list[int]) -
             ),
         )
     )
+    for rate, r in by_rate.items():
+        emit(
+            f"{rate} Mbit/s, all-reduce after all-reduce: utilisation "
+            + " ".join(f"{u:.3f}" for u in r["utilisation_by_step"])
+            + "; TCP segments retransmitted "
+            + " ".join(f"{x:.2%}" for x in r["tcp_retransmitted_by_step"])
+        )
     return by_rate
 
 
@@ -254,6 +261,7 @@ def main() -> None:
         type=int,
         help="parts a reducer takes ahead per sender (default: the code's; 1: lockstep)",
     )
+    parser.add_argument("--tbf-burst", help=f"tbf bucket of each shaped link (default {TBF_BURST})")
     parser.add_argument("--values", type=int, help="values per all-reduce at every rate (default: by rate)")
     parser.add_argument("--no-latest", action="store_true", help="leave latest.json alone")
     parser.add_argument("--result", default="link_utilisation", help="name of the result file in results/")
@@ -269,6 +277,8 @@ def main() -> None:
         settings["part_size_bytes"] = args.part_size
     if args.part_window:
         settings["part_window"] = args.part_window
+    if args.tbf_burst:
+        settings["tbf_burst"] = args.tbf_burst
     if args.values:
         settings["params_by_rate"] = {
             str(rate): args.values for rate in SETTINGS["rates_mbit"] + (args.rates or [])

@@ -152,6 +152,19 @@ class ShapedNetwork:
         stats = Path("/sys/class/net") / self.host_veth(i) / "statistics"
         return int((stats / "rx_bytes").read_text()), int((stats / "tx_bytes").read_text())
 
+    def tcp_segments(self, i: int) -> tuple[int, int]:
+        """(TCP segments node i has sent, of which retransmitted) so far: its namespace's counters."""
+        snmp = subprocess.run(
+            [*self.exec_prefix(i), "cat", "/proc/net/snmp"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout
+        header, values = (line.split()[1:] for line in snmp.splitlines() if line.startswith("Tcp:"))
+        tcp = dict(zip(header, values))
+        return int(tcp["OutSegs"]), int(tcp["RetransSegs"])
+
 
 class CounterSampler:
     """Samples every node's link counters `hz` times a second in a background thread."""

@@ -244,9 +244,25 @@ def test_link_allreduce_time_on_the_wire_and_utilisation():
     noisy = [(t, s * 20, r * 20) for t, s, r in samples]
     assert wire_window(noisy, {**report, "allreduce_began": None}, rate_mbit)[0] > 6.0
 
-    measures = [StepMeasure(0, step, {**report, "step": step}, seconds, wire_sent, 0, 0.9) for step in (0, 1)]
+    measures = [
+        StepMeasure(
+            0,
+            step,
+            {**report, "step": step},
+            seconds,
+            wire_sent,
+            0,
+            0.9,
+            {"tcp_segments_sent": 1000, "tcp_segments_retransmitted": 10 * step},
+        )
+        for step in (0, 1)
+    ]
     summary = summarize(measures, rate_mbit)
     assert [row["step"] for row in summary["steps"]] == [0, 1]
+    assert summary["tcp_retransmitted_by_step"] == [0.0, 0.01], (
+        "each all-reduce's retransmissions, first included"
+    )
+    assert summary["utilisation_by_step"] == [pytest.approx(1_600_000 / (seconds * 1e6))] * 2
     assert summary["utilisation_median"] == pytest.approx(1_600_000 / (seconds * 1e6))
     assert summary["utilisation_down_median"] == pytest.approx(summary["utilisation_median"] / 2)
     assert summary["ideal_seconds_median"] == pytest.approx(1.6)
@@ -465,3 +481,21 @@ def test_startup_memory_runs_every_phase_on_the_tiny_preset(tmp_path, monkeypatc
     assert all(results[kind]["growth"] >= 0 for kind in ("make-new", "make-old", "init-new", "init-old"))
     assert results["resume-new"]["state"] == results["resume-old"]["state"] > 0
     assert (tmp_path / "results" / "startup_memory_tiny.json").is_file()
+
+
+def test_shaped_network_counts_tcp_segments_per_namespace():
+    """The link benchmark's retransmission figures come from each namespace's own TCP counters."""
+    import subprocess
+    import sys
+
+    from benchmarks.netns import ShapedNetwork, check_available
+
+    check_available()
+    with ShapedNetwork(1, 50) as network:
+        sent, retransmitted = network.tcp_segments(0)
+        connect = (
+            f"import socket; socket.socket().connect_ex(({network.host_ip!r}, 9))"  # refused: one SYN out
+        )
+        subprocess.run([*network.exec_prefix(0), sys.executable, "-c", connect], check=True, timeout=60)
+        after = network.tcp_segments(0)
+    assert after[0] > sent >= 0 and after[1] >= retransmitted >= 0
