@@ -374,9 +374,6 @@ class RobustPartReducer(TensorPartReducer):
             part.pop(sender_index, None)
         self._reduce_ready()
 
-    def check_current_part_finished(self):
-        self._reduce_ready()
-
     def _reduce_ready(self):
         if self._reducing:  # a rejection reported from inside the loop below: the loop goes on by itself
             return
