@@ -387,10 +387,8 @@ class RobustPartReducer(TensorPartReducer):
                     return
                 rejected = self._reduce(index, self.contributions.pop(index, {}))
                 self.current_part_index += 1
-                for (
-                    sender,
-                    reason,
-                ) in rejected:  # after the part is done, as hivemind bans: it gets this result
+                # reported once the part is done, as hivemind bans: a rejected sender still gets this result
+                for sender, reason in rejected:
                     self.on_reject(sender, reason)
             if self.current_part_index >= self.num_parts:
                 self.finalize()
@@ -739,12 +737,21 @@ class RobustAllReduceRunner(AllReduceRunner):
             if part_index < reducer.num_parts and reader.done() and not reader.cancelled():
                 reader.result()  # the sender's stream failed (a timeout, a broken connection): say so
         finally:
-            reader.cancel()
+            _discard(reader)
             while not in_flight.empty():
                 if (item := in_flight.get_nowait()) is not None:
-                    item[2].cancel()
+                    _discard(item[2])
             if part_index != reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+def _discard(task: asyncio.Future) -> None:
+    """Cancel `task`, or take its exception if it has one (a banned sender's parts end in BannedException), so that
+    asyncio does not log it as never retrieved."""
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()
 
 
 def _delta_message(averaged: torch.Tensor, sent: torch.Tensor, compression: int) -> runtime_pb2.Tensor:
