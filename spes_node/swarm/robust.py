@@ -409,8 +409,10 @@ class RobustPartReducer(TensorPartReducer):
         if self.broadcast is not None:
             used = len(senders) - len(aggregate.rejected)
             result = self.broadcast.encode(index, result, aggregate.own_share, used)
-        future = self._part_future(index)
-        if not future.done():
+        # its waiters hold the future; out of the dict, the result goes once they have it (hivemind's reducer kept
+        # one part's result at a time, not the whole share)
+        future = self.part_futures.pop(index, None)  # None: nobody sent this part (every sender failed)
+        if future is not None and not future.done():
             future.set_result(result)
         return [
             (senders[position], reason)
@@ -536,8 +538,8 @@ class RobustAllReduceRunner(AllReduceRunner):
 
     `updates`: every member gets the same compressed average of each part (see the module docstring), and the
     runner yields values to apply instead of differences. `residual`: tensors shaped like ours that receive what
-    compression drops (`CheckedPartContainer`, `UpdateBroadcast`). `window`: how many parts of each sender's stream
-    it takes in ahead of the results sent back (`PART_WINDOW`). `bytes_sent` and `bytes_received` count the
+    compression drops (`CheckedPartContainer`, `UpdateBroadcast`). `window`: how many parts of each sender's stream it
+    takes in ahead of the results sent back (`PART_WINDOW` when it is made). `bytes_sent` and `bytes_received` count the
     serialized messages of the all-reduce, in both roles."""
 
     def __init__(
@@ -550,7 +552,6 @@ class RobustAllReduceRunner(AllReduceRunner):
         on_reject: Callable[[PeerID, str], None],
         updates: bool = False,
         residual: Sequence[torch.Tensor] | None = None,
-        window: int | None = None,
         **kwargs,
     ):
         container_kwargs = {
@@ -562,7 +563,7 @@ class RobustAllReduceRunner(AllReduceRunner):
         self._on_reject = on_reject
         self.ignored = frozenset(ignored) - {self.peer_id}
         self.updates = updates
-        self.window = PART_WINDOW if window is None else window
+        self.window = PART_WINDOW
         assert self.window >= 1, "a reducer must take at least the part it reduces"
         self.bytes_sent = self.bytes_received = 0
         self.reducer_errors: dict[PeerID, str] = {}
