@@ -100,13 +100,14 @@ def measure(
     compression: str = "fp16",
     part_size: int | None = None,
     part_window: int | None = None,
+    sysctls: dict[str, str] | None = None,
     timeout: float = 300.0,
 ) -> list[StepMeasure]:
     """`steps` all-reduces of `params` values among `peers` peers behind `rate_mbit` links."""
     from hivemind import DHT
 
     workdir.mkdir(parents=True, exist_ok=True)
-    with ShapedNetwork(peers, rate_mbit, burst=burst, latency=latency) as network:
+    with ShapedNetwork(peers, rate_mbit, burst=burst, latency=latency, sysctls=sysctls) as network:
         bootstrap = DHT(host_maddrs=[f"/ip4/{network.host_ip}/tcp/0"], start=True)
         try:
             maddr = str(bootstrap.get_visible_maddrs()[0])

@@ -45,6 +45,7 @@ SETTINGS = {
     "part_window": None,
     "tbf_burst": TBF_BURST,
     "tbf_latency": TBF_LATENCY,
+    "namespace_sysctls": {},
     "headline_rates_mbit": [50, 200],
     "full_nodes": {**BYTES_SETTINGS, "rates_mbit": [50, 200]},
 }
@@ -103,6 +104,7 @@ def run_allreduce(workdir: Path, settings: dict, peers: int, rates: list[int]) -
             compression=settings["compression"],
             part_size=settings["part_size_bytes"],
             part_window=settings["part_window"],
+            sysctls=settings["namespace_sysctls"],
         )
         by_rate[str(rate)] = {"params": params, **summarize_allreduce(measures, rate)}
     emit(
@@ -140,8 +142,9 @@ def run_allreduce(workdir: Path, settings: dict, peers: int, rates: list[int]) -
             ],
             title=(
                 f"link utilisation of an all-reduce ({peers} peers, {settings['compression']}, "
-                f"tbf burst {settings['tbf_burst']}, latency {settings['tbf_latency']}; "
-                f"medians over peers and all-reduces after the first)"
+                f"tbf burst {settings['tbf_burst']}, latency {settings['tbf_latency']}"
+                + "".join(f", {k}={v}" for k, v in settings["namespace_sysctls"].items())
+                + "; medians over peers and all-reduces after the first)"
             ),
         )
     )
@@ -262,6 +265,13 @@ def main() -> None:
         help="parts a reducer takes ahead per sender (default: the code's; 1: lockstep)",
     )
     parser.add_argument("--tbf-burst", help=f"tbf bucket of each shaped link (default {TBF_BURST})")
+    parser.add_argument(
+        "--sysctl",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set in every peer's namespace (e.g. net.ipv4.tcp_congestion_control=reno); repeatable",
+    )
     parser.add_argument("--values", type=int, help="values per all-reduce at every rate (default: by rate)")
     parser.add_argument("--no-latest", action="store_true", help="leave latest.json alone")
     parser.add_argument("--result", default="link_utilisation", help="name of the result file in results/")
@@ -279,6 +289,10 @@ def main() -> None:
         settings["part_window"] = args.part_window
     if args.tbf_burst:
         settings["tbf_burst"] = args.tbf_burst
+    if args.sysctl:
+        if not all("=" in item for item in args.sysctl):
+            parser.error("--sysctl takes KEY=VALUE")
+        settings["namespace_sysctls"] = dict(item.split("=", 1) for item in args.sysctl)
     if args.values:
         settings["params_by_rate"] = {
             str(rate): args.values for rate in SETTINGS["rates_mbit"] + (args.rates or [])

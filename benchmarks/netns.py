@@ -63,7 +63,9 @@ TBF_LATENCY = "50ms"
 class ShapedNetwork:
     """A bridge plus `num_nodes` namespaces, each behind a veth pair shaped to `rate_mbit` (None: unshaped).
 
-    `burst` and `latency` are tbf's: the bucket size and how long a packet may queue before it is dropped."""
+    `burst` and `latency` are tbf's: the bucket size and how long a packet may queue before it is dropped.
+    `sysctls`: set in every namespace (the per-namespace ones: TCP's congestion control, buffer sizes, ...). A
+    namespace other than the first may only pick a congestion control of `net.ipv4.tcp_allowed_congestion_control`."""
 
     def __init__(
         self,
@@ -72,8 +74,10 @@ class ShapedNetwork:
         *,
         burst: str = TBF_BURST,
         latency: str = TBF_LATENCY,
+        sysctls: dict[str, str] | None = None,
     ):
         self.num_nodes, self.rate_mbit = num_nodes, rate_mbit
+        self.sysctls = dict(sysctls or {})
         self.burst, self.latency = burst, latency
         self.tag = f"sb{uuid.uuid4().hex[:5]}"
         self.subnet = self._free_subnet()
@@ -131,10 +135,26 @@ class ShapedNetwork:
             _ip("-n", ns, "link", "set", inner, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
             _ip("-n", ns, "route", "add", "default", "via", self.host_ip)
+            for key, value in self.sysctls.items():
+                self._sysctl(ns, key, value)
             if self.rate_mbit:
                 shape = ["tbf", "rate", f"{self.rate_mbit}mbit", "burst", self.burst, "latency", self.latency]
                 _tc("qdisc", "add", "dev", host, "root", *shape)
                 _tc("qdisc", "add", "dev", inner, "root", *shape, netns=ns)
+
+    def _sysctl(self, ns: str, key: str, value: str) -> None:
+        try:
+            subprocess.run(
+                [*self.exec_prefix_of(ns), "sysctl", "-w", f"{key}={value}"],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=30,
+            )
+        except subprocess.CalledProcessError as e:
+            raise NetnsUnavailable(
+                f"cannot set {key}={value} in a namespace: {(e.stderr or '').strip()}"
+            ) from None
 
     def teardown(self) -> None:
         for ns in reversed(self._created_ns):
@@ -145,7 +165,11 @@ class ShapedNetwork:
 
     def exec_prefix(self, i: int) -> list[str]:
         """Prefix of a command line that runs it inside node i's namespace."""
-        return ["ip", "netns", "exec", self.namespace(i)]
+        return self.exec_prefix_of(self.namespace(i))
+
+    @staticmethod
+    def exec_prefix_of(ns: str) -> list[str]:
+        return ["ip", "netns", "exec", ns]
 
     def counters(self, i: int) -> tuple[int, int]:
         """(bytes node i sent, bytes node i received) so far, including headers: what crossed its link."""

@@ -499,3 +499,23 @@ def test_shaped_network_counts_tcp_segments_per_namespace():
         subprocess.run([*network.exec_prefix(0), sys.executable, "-c", connect], check=True, timeout=60)
         after = network.tcp_segments(0)
     assert after[0] > sent >= 0 and after[1] >= retransmitted >= 0
+
+
+def test_shaped_network_sets_its_sysctls_in_every_namespace_and_refuses_one_it_cannot():
+    """`--sysctl` of the link benchmark: a per-namespace setting lands in each peer's namespace, not the machine's."""
+    from benchmarks.netns import NetnsUnavailable, ShapedNetwork, check_available
+
+    check_available()
+    key = "net.ipv4.tcp_rmem"
+    machine = Path("/proc/sys/net/ipv4/tcp_rmem").read_text().split()
+    wanted = ["4096", "131072", str(int(machine[2]) // 2)]
+    with ShapedNetwork(2, None, sysctls={key: " ".join(wanted)}) as network:
+        for i in range(2):
+            read = subprocess.run(
+                [*network.exec_prefix(i), "sysctl", "-n", key], capture_output=True, text=True, check=True
+            )
+            assert read.stdout.split() == wanted, read.stdout
+    assert Path("/proc/sys/net/ipv4/tcp_rmem").read_text().split() == machine
+    with pytest.raises(NetnsUnavailable, match="cannot set net.ipv4.no_such_setting"):
+        with ShapedNetwork(1, None, sysctls={"net.ipv4.no_such_setting": "1"}):
+            pass
