@@ -1,16 +1,22 @@
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 from tokenizers import normalizers
 from transformers import AutoTokenizer
 
+from spes_node.daemon.data import TokenBatcher
 from spes_node.model.tokenizer import (
     BYTE_TOKENIZER_FILE,
     BYTE_VOCAB_SIZE,
+    ByteTokenizer,
     is_byte_tokenizer,
     load_tokenizer,
+    training_tokenizer,
 )
 
 SAMPLES = [
@@ -95,3 +101,43 @@ def test_committed_asset_matches_generator_script():
     spec.loader.exec_module(module)
     generated = json.loads(module.build().to_str())
     assert generated == json.loads(BYTE_TOKENIZER_FILE.read_text())
+
+
+def test_the_training_tokenizer_of_bytes_is_the_byte_tokenizer_without_transformers(tok):
+    light = training_tokenizer("bytes")
+    assert isinstance(light, ByteTokenizer) and is_byte_tokenizer(light)
+    assert len(light) == len(tok) and light.get_vocab() == tok.get_vocab()
+    special = ("pad_token_id", "bos_token_id", "eos_token_id", "unk_token_id")
+    assert [getattr(light, a) for a in special] == [getattr(tok, a) for a in special]
+    for text in SAMPLES:
+        ids = light(text, add_special_tokens=False)["input_ids"]
+        assert ids == tok(text, add_special_tokens=False)["input_ids"] and light.decode(ids) == text
+    assert light(SAMPLES)["input_ids"] == tok(SAMPLES, add_special_tokens=False)["input_ids"]
+    assert light.decode([258, 97], skip_special_tokens=True) == tok.decode(
+        [258, 97], skip_special_tokens=True
+    )
+
+    # the same batches from the default corpus as with transformers' tokenizer
+    a = TokenBatcher("default", light, seq_len=64, batch_size=4, part=1, num_parts=2, seed=3)
+    b = TokenBatcher("default", tok, seq_len=64, batch_size=4, part=1, num_parts=2, seed=3)
+    for _ in range(5):
+        assert torch.equal(a.next_batch(), b.next_batch())
+
+
+def test_a_node_on_the_byte_tokenizer_does_not_import_transformers():
+    check = (
+        "import sys; import spes_node.daemon.node; from spes_node.model.tokenizer import training_tokenizer; "
+        "training_tokenizer('bytes'); print(sorted(m for m in ('transformers', 'torch') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", check], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "['torch']", out.stdout
+
+
+def test_the_training_tokenizer_of_another_spec_is_transformers_one(tmp_path):
+    load_tokenizer("bytes").save_pretrained(tmp_path)
+    loaded = training_tokenizer(str(tmp_path))
+    assert not isinstance(loaded, ByteTokenizer) and is_byte_tokenizer(loaded)
+    with pytest.raises(ValueError, match=r"^tokenizer: cannot load '/no/such/dir': "):
+        training_tokenizer("/no/such/dir")

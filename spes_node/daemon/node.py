@@ -51,7 +51,7 @@ from spes_node.files import write_text_atomic
 from spes_node.model.initial import initial_model
 from spes_node.model.moe import MoEForCausalLM
 from spes_node.model.ownership import load_state_in_place, owned_shards
-from spes_node.model.tokenizer import load_tokenizer
+from spes_node.model.tokenizer import training_tokenizer
 from spes_node.procs import NodeDHT, kill_tree
 from spes_node.swarm import reachability, records, relay
 from spes_node.swarm.identity import load_or_create_identity
@@ -376,7 +376,7 @@ class Node:
             load_hf_weights(self.model, opts.init_from)
             logger.info(f"initial weights from {opts.init_from}")
 
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        tokenizer = training_tokenizer(cfg.data.tokenizer)
         spec = opts.data or cfg.data.source
         # a restarted node keeps its part (and so its place in the data) unless another node took it meanwhile
         resumed_part = checkpoint.meta.get("data_part") if checkpoint is not None else None
