@@ -101,6 +101,7 @@ def measure(
     part_size: int | None = None,
     part_window: int | None = None,
     sysctls: dict[str, str] | None = None,
+    fresh_averager: bool = False,
     timeout: float = 300.0,
 ) -> list[StepMeasure]:
     """`steps` all-reduces of `params` values among `peers` peers behind `rate_mbit` links."""
@@ -128,6 +129,7 @@ def measure(
                         str(timeout),
                         *(["--part-size", str(part_size)] if part_size else []),
                         *(["--part-window", str(part_window)] if part_window else []),
+                        *(["--fresh-averager"] if fresh_averager else []),
                     ),
                     workdir / f"peer{i}.log",
                 )

@@ -70,6 +70,11 @@ def main() -> None:
         type=int,
         help="parts a reducer takes from each sender ahead of its results (default: robust.PART_WINDOW; 1: hivemind's lockstep)",
     )
+    parser.add_argument(
+        "--fresh-averager",
+        action="store_true",
+        help="a new averager (and averager process) for every all-reduce, on the same DHT and p2p daemon",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.part_size:
@@ -87,20 +92,27 @@ def main() -> None:
         f"t{i}": torch.randn(n, generator=shared).add_(torch.randn(n, generator=own), alpha=0.01)
         for i, n in enumerate(sizes)
     }
-    averager = GroupAverager(
-        dht,
-        args.prefix,
-        tensors,
-        compression=args.compression,
-        matchmaking_time=args.matchmaking_time,
-        allreduce_timeout=args.allreduce_timeout,
-        client_mode=False,
-    )
+
+    def make_averager() -> GroupAverager:
+        return GroupAverager(
+            dht,
+            args.prefix,
+            tensors,
+            compression=args.compression,
+            matchmaking_time=args.matchmaking_time,
+            allreduce_timeout=args.allreduce_timeout,
+            client_mode=False,
+        )
+
+    averager = make_averager()
     say(ready=True, peer_id=dht.peer_id.to_base58(), params=args.params)
     step = 0
     for line in sys.stdin:
         if line.strip() != "go":
             break
+        if args.fresh_averager and step > 0:
+            averager.shutdown()
+            averager = make_averager()
         cpu_before = cpu_seconds(os.getpid())
         began = time.time()
         handle = averager.step(tensors, weight=1.0, gather=(step, 0, 0))
