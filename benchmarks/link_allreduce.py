@@ -101,10 +101,14 @@ def measure(
     part_size: int | None = None,
     part_window: int | None = None,
     sysctls: dict[str, str] | None = None,
-    fresh_averager: bool = False,
+    fresh: str | None = None,
     timeout: float = 300.0,
 ) -> list[StepMeasure]:
-    """`steps` all-reduces of `params` values among `peers` peers behind `rate_mbit` links."""
+    """`steps` all-reduces of `params` values among `peers` peers behind `rate_mbit` links. `fresh`, for an
+    experiment: "averager", each peer makes a new averager for every all-reduce; "connections", the peers'
+    connections to each other are reset before every all-reduce (the p2p daemons dial again); "peer", every
+    all-reduce has new peer processes (new DHTs, p2p daemons and connections)."""
+    assert fresh in (None, "averager", "connections", "peer"), fresh
     from hivemind import DHT
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -112,40 +116,55 @@ def measure(
         bootstrap = DHT(host_maddrs=[f"/ip4/{network.host_ip}/tcp/0"], start=True)
         try:
             maddr = str(bootstrap.get_visible_maddrs()[0])
-            procs = [
-                _Peer(
-                    network.exec_prefix(i)
-                    + python_cmd(
-                        "benchmarks.link_peer",
-                        "--initial-peer",
-                        maddr,
-                        "--host-ip",
-                        network.node_ip(i),
-                        "--params",
-                        str(params),
-                        "--compression",
-                        compression,
-                        "--allreduce-timeout",
-                        str(timeout),
-                        *(["--part-size", str(part_size)] if part_size else []),
-                        *(["--part-window", str(part_window)] if part_window else []),
-                        *(["--fresh-averager"] if fresh_averager else []),
-                    ),
-                    workdir / f"peer{i}.log",
-                )
-                for i in range(peers)
-            ]
-            try:
-                for p in procs:
+
+            def start_peers(generation: int) -> list[_Peer]:
+                started = [
+                    _Peer(
+                        network.exec_prefix(i)
+                        + python_cmd(
+                            "benchmarks.link_peer",
+                            "--initial-peer",
+                            maddr,
+                            "--host-ip",
+                            network.node_ip(i),
+                            "--params",
+                            str(params),
+                            "--compression",
+                            compression,
+                            "--allreduce-timeout",
+                            str(timeout),
+                            *(["--part-size", str(part_size)] if part_size else []),
+                            *(["--part-window", str(part_window)] if part_window else []),
+                            *(["--fresh-averager"] if fresh == "averager" else []),
+                        ),
+                        workdir / f"peer{i}{f'.{generation}' if generation else ''}.log",
+                    )
+                    for i in range(peers)
+                ]
+                for p in started:
                     p.next(timeout=180)
+                return started
+
+            procs: list[_Peer] = []
+            try:
+                procs = start_peers(0)
                 with CounterSampler(network, hz=SAMPLE_HZ) as sampler, _MachineSampler() as machine:
                     raw, tcp = [], []
-                    for _ in range(steps):
+                    for step in range(steps):
+                        if fresh == "peer" and step > 0:
+                            for p in procs:
+                                p.close()
+                            procs = start_peers(step)
+                        if fresh == "connections" and step > 0:
+                            for i in range(peers):
+                                for j in range(i + 1, peers):
+                                    network.drop_connections(i, j)
                         time.sleep(1.0)
                         before = [network.tcp_segments(i) for i in range(peers)]
                         for p in procs:
                             p.send("go")
-                        raw.append([p.next(timeout=timeout + 60) for p in procs])
+                        # a fresh peer counts its all-reduces from 0: the step is the benchmark's
+                        raw.append([{**p.next(timeout=timeout + 60), "step": step} for p in procs])
                         after = [network.tcp_segments(i) for i in range(peers)]
                         tcp.append([(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)])
             finally:

@@ -46,7 +46,7 @@ SETTINGS = {
     "tbf_burst": TBF_BURST,
     "tbf_latency": TBF_LATENCY,
     "namespace_sysctls": {},
-    "fresh_averager": False,
+    "fresh": None,
     "headline_rates_mbit": [50, 200],
     "full_nodes": {**BYTES_SETTINGS, "rates_mbit": [50, 200]},
 }
@@ -106,7 +106,7 @@ def run_allreduce(workdir: Path, settings: dict, peers: int, rates: list[int]) -
             part_size=settings["part_size_bytes"],
             part_window=settings["part_window"],
             sysctls=settings["namespace_sysctls"],
-            fresh_averager=settings["fresh_averager"],
+            fresh=settings["fresh"],
         )
         by_rate[str(rate)] = {"params": params, **summarize_allreduce(measures, rate)}
     emit(
@@ -275,9 +275,10 @@ def main() -> None:
         help="set in every peer's namespace (e.g. net.ipv4.tcp_congestion_control=reno); repeatable",
     )
     parser.add_argument(
-        "--fresh-averager",
-        action="store_true",
-        help="each peer makes a new averager for every all-reduce (same DHT and p2p daemon)",
+        "--fresh",
+        choices=["averager", "connections", "peer"],
+        help="for every all-reduce: a new averager in each peer (same DHT and p2p daemon), the peers' connections "
+        "to each other reset, or new peer processes",
     )
     parser.add_argument("--values", type=int, help="values per all-reduce at every rate (default: by rate)")
     parser.add_argument("--no-latest", action="store_true", help="leave latest.json alone")
@@ -300,8 +301,8 @@ def main() -> None:
         if not all("=" in item for item in args.sysctl):
             parser.error("--sysctl takes KEY=VALUE")
         settings["namespace_sysctls"] = dict(item.split("=", 1) for item in args.sysctl)
-    if args.fresh_averager:
-        settings["fresh_averager"] = True
+    if args.fresh:
+        settings["fresh"] = args.fresh
     if args.values:
         settings["params_by_rate"] = {
             str(rate): args.values for rate in SETTINGS["rates_mbit"] + (args.rates or [])

@@ -176,6 +176,16 @@ class ShapedNetwork:
         stats = Path("/sys/class/net") / self.host_veth(i) / "statistics"
         return int((stats / "rx_bytes").read_text()), int((stats / "tx_bytes").read_text())
 
+    def drop_connections(self, i: int, j: int) -> None:
+        """Abort node i's TCP connections to node j (`ss -K`: the kernel resets them), as a path change would."""
+        subprocess.run(
+            [*self.exec_prefix(i), "ss", "-K", "dst", self.node_ip(j)],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        )
+
     def tcp_segments(self, i: int) -> tuple[int, int]:
         """(TCP segments node i has sent, of which retransmitted) so far: its namespace's counters."""
         snmp = subprocess.run(
