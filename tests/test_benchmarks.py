@@ -519,3 +519,47 @@ def test_shaped_network_sets_its_sysctls_in_every_namespace_and_refuses_one_it_c
     with pytest.raises(NetnsUnavailable, match="cannot set net.ipv4.no_such_setting"):
         with ShapedNetwork(1, None, sysctls={"net.ipv4.no_such_setting": "1"}):
             pass
+
+
+def test_shaped_network_drops_one_nodes_connections_to_another():
+    """`--fresh connections` of the link benchmark: node 0's TCP connection to node 1 is reset, the other stays."""
+    from benchmarks.netns import ShapedNetwork, check_available
+
+    check_available()
+    with ShapedNetwork(3, None) as network:
+        server = (
+            "import socket, sys; s = socket.socket(); s.bind(('0.0.0.0', 7000)); s.listen(); print('up', flush=True)\n"
+            "conns = [s.accept()[0] for _ in range(2)]\n"
+            "sys.stdin.readline()"
+        )
+        listening = subprocess.Popen(
+            [*network.exec_prefix(1), sys.executable, "-c", server],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert listening.stdout.readline().strip() == "up"
+            client = (
+                "import socket, sys, time; c = socket.create_connection((sys.argv[1], 7000)); print('in', flush=True)\n"
+                "sys.stdin.readline()\n"
+                "try:\n    c.sendall(b'x'); time.sleep(0.5); c.sendall(b'y'); print('open')\n"
+                "except OSError as e:\n    print('reset', e.errno)"
+            )
+            clients = [
+                subprocess.Popen(
+                    [*network.exec_prefix(i), sys.executable, "-c", client, network.node_ip(1)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                for i in (0, 2)
+            ]
+            for c in clients:
+                assert c.stdout.readline().strip() == "in"
+            network.drop_connections(0, 1)
+            said = [c.communicate("go\n", timeout=60)[0].strip() for c in clients]
+            assert said[0].startswith("reset") and said[1] == "open", said
+        finally:
+            listening.kill()
+            listening.wait()
