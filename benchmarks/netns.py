@@ -28,9 +28,14 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
 
 
+def _run(*cmd: str, netns: str | None = None) -> str:
+    """The output of `cmd`, run in namespace `netns` if given (CalledProcessError if it fails)."""
+    prefix = [] if netns is None else ["ip", "netns", "exec", netns]
+    return subprocess.run([*prefix, *cmd], capture_output=True, text=True, check=True, timeout=30).stdout
+
+
 def _tc(*args: str, netns: str | None = None) -> None:
-    cmd = ["tc", *args] if netns is None else ["ip", "netns", "exec", netns, "tc", *args]
-    subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=30)
+    _run("tc", *args, netns=netns)
 
 
 def check_available() -> None:
@@ -144,13 +149,7 @@ class ShapedNetwork:
 
     def _sysctl(self, ns: str, key: str, value: str) -> None:
         try:
-            subprocess.run(
-                [*self.exec_prefix_of(ns), "sysctl", "-w", f"{key}={value}"],
-                capture_output=True,
-                text=True,
-                check=True,
-                timeout=30,
-            )
+            _run("sysctl", "-w", f"{key}={value}", netns=ns)
         except subprocess.CalledProcessError as e:
             raise NetnsUnavailable(
                 f"cannot set {key}={value} in a namespace: {(e.stderr or '').strip()}"
@@ -165,11 +164,7 @@ class ShapedNetwork:
 
     def exec_prefix(self, i: int) -> list[str]:
         """Prefix of a command line that runs it inside node i's namespace."""
-        return self.exec_prefix_of(self.namespace(i))
-
-    @staticmethod
-    def exec_prefix_of(ns: str) -> list[str]:
-        return ["ip", "netns", "exec", ns]
+        return ["ip", "netns", "exec", self.namespace(i)]
 
     def counters(self, i: int) -> tuple[int, int]:
         """(bytes node i sent, bytes node i received) so far, including headers: what crossed its link."""
@@ -178,23 +173,11 @@ class ShapedNetwork:
 
     def drop_connections(self, i: int, j: int) -> None:
         """Abort node i's TCP connections to node j (`ss -K`: the kernel resets them), as a path change would."""
-        subprocess.run(
-            [*self.exec_prefix(i), "ss", "-K", "dst", self.node_ip(j)],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=30,
-        )
+        _run("ss", "-K", "dst", self.node_ip(j), netns=self.namespace(i))
 
     def tcp_segments(self, i: int) -> tuple[int, int]:
         """(TCP segments node i has sent, of which retransmitted) so far: its namespace's counters."""
-        snmp = subprocess.run(
-            [*self.exec_prefix(i), "cat", "/proc/net/snmp"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=30,
-        ).stdout
+        snmp = _run("cat", "/proc/net/snmp", netns=self.namespace(i))
         header, values = (line.split()[1:] for line in snmp.splitlines() if line.startswith("Tcp:"))
         tcp = dict(zip(header, values))
         return int(tcp["OutSegs"]), int(tcp["RetransSegs"])
