@@ -82,3 +82,7 @@ def setup_logging(level: str | int = "INFO", stream=sys.stderr) -> None:
         logging.getLogger(name).setLevel(
             max(lvl, logging.getLevelName(level) if isinstance(level, str) else level)
         )
+    # a few of hivemind's internals at DEBUG without the rest (a node at DEBUG logs every DHT request): e.g.
+    # SPES_DEBUG_LOGGERS=hivemind.averaging.allreduce,hivemind.p2p.p2p_daemon for why an all-reduce lost a stream
+    for name in filter(None, (n.strip() for n in os.environ.get("SPES_DEBUG_LOGGERS", "").split(","))):
+        logging.getLogger(name).setLevel(logging.DEBUG)

@@ -241,21 +241,32 @@ def test_a_joiner_tries_its_bootstrap_peer_again_until_it_answers(swarm_factory,
 
 @pytest.mark.parametrize("shared_lag", [0, 1])
 def test_overlapping_the_shards_only_lands_the_shared_average_at_once_and_the_shards_later(
-    swarm_factory, shared_lag
+    swarm_factory, tmp_path, shared_lag
 ):
     """With `shared_lag_steps` = 1, the shared average lands one step into the next round instead of at once."""
-    # a window of 30 s: a group begins once both holders are in, so the window only matters when one node reaches
-    # its round late. With 2 s, a node slowed by a loaded machine missed its partner's first round (a group of 1)
-    swarm = swarm_factory(
-        num_shards=1, overlap_shards=True, shared_lag_steps=shared_lag, matchmaking_time=30.0
-    )
     names = ("a", "b")
-    for name, rounds in _two_holders_three_rounds(swarm, names).items():
+    for attempt in range(2):
+        # a window of 30 s: a group begins once both holders are in, so the window only matters when one node
+        # reaches its round late. With 2 s, a node slowed by a loaded machine missed its partner's first round
+        directory = tmp_path / f"attempt{attempt}"
+        directory.mkdir()
+        swarm = swarm_factory(
+            directory, num_shards=1, overlap_shards=True, shared_lag_steps=shared_lag, matchmaking_time=30.0
+        )
+        reports = _two_holders_three_rounds(swarm, names)
+        # hivemind's all-reduce loses the tail of a stream now and then on a loaded machine ("sent k parts, but we
+        # expected n": about one run of this test in 16 beside three busy loops, in any of the three rounds, and
+        # once in CI). The round keeps its local values there, and the replicas then differ, which is not what this
+        # test is about: such a run is run once more. Nothing else leads to a second run ("sent 10 parts, but we
+        # expected 11" in the last round was once a node that stopped its networking too early: a node now leaves
+        # once the other has ended the round, `Node.await_round_members`), and every check applies to the run kept
+        errors = [e for rounds in reports.values() for r in rounds for e in r["errors"]]
+        if not errors or attempt == 1 or not all(STREAM_CUT.search(e) for e in errors):
+            break
+        print(f"a stream cut in an all-reduce ({errors}): running the two nodes once more")
+    for name, rounds in reports.items():
         for report in rounds:
-            # "sent 10 parts, but we expected 11" in the last round, seen twice on a loaded machine, was a node that
-            # stopped its networking while its last averaged parts were on their way to the other: a node now
-            # leaves once the other has ended the round (`Node.await_round_members`), and nothing may go wrong
-            assert not report["errors"], report
+            assert not report["errors"], (report, swarm.warnings(names))
         # the shards' all-reduces ran beside the next steps; the last round (the node leaves after it) waited
         assert [r["overlapped"] for r in rounds] == [True, True, False], rounds
         # an all-reduce takes longer than the moment between the round's start and the next step's: with the lag,
