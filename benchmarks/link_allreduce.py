@@ -106,9 +106,11 @@ def measure(
 ) -> list[StepMeasure]:
     """`steps` all-reduces of `params` values among `peers` peers behind `rate_mbit` links. `fresh`, for an
     experiment: "averager", each peer makes a new averager for every all-reduce; "connections", the peers'
-    connections to each other are reset before every all-reduce (the p2p daemons dial again); "peer", every
+    connections to each other are reset before every all-reduce (the p2p daemons dial again); "disconnect", each peer
+    closes its connections to the last group's peers before every all-reduce, through its p2p daemon, as a node does
+    with `swarm.fresh_connections`; "peer", every
     all-reduce has new peer processes (new DHTs, p2p daemons and connections)."""
-    assert fresh in (None, "averager", "connections", "peer"), fresh
+    assert fresh in (None, "averager", "connections", "disconnect", "peer"), fresh
     from hivemind import DHT
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -136,6 +138,7 @@ def measure(
                             *(["--part-size", str(part_size)] if part_size else []),
                             *(["--part-window", str(part_window)] if part_window else []),
                             *(["--fresh-averager"] if fresh == "averager" else []),
+                            *(["--fresh-connections"] if fresh == "disconnect" else []),
                         ),
                         workdir / f"peer{i}{f'.{generation}' if generation else ''}.log",
                     )

@@ -26,6 +26,7 @@ from hivemind.averaging.control import AveragingStage
 from spes_node.procs import descendants
 from spes_node.swarm import robust
 from spes_node.swarm.averaging import GroupAverager
+from spes_node.swarm.connections import close_connections
 
 TENSOR_VALUES = 1 << 22
 """The vector is split into tensors of 4M values, like the parameter tensors of a model."""
@@ -75,6 +76,12 @@ def main() -> None:
         action="store_true",
         help="a new averager (and averager process) for every all-reduce, on the same DHT and p2p daemon",
     )
+    parser.add_argument(
+        "--fresh-connections",
+        action="store_true",
+        help="before every all-reduce, close the connections to the last group's peers as a node does "
+        "(swarm.fresh_connections, `connections.close_connections`)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.part_size:
@@ -106,18 +113,20 @@ def main() -> None:
 
     averager = make_averager()
     say(ready=True, peer_id=dht.peer_id.to_base58(), params=args.params)
-    step = 0
+    step, last_peers = 0, []
     for line in sys.stdin:
         if line.strip() != "go":
             break
         if args.fresh_averager and step > 0:
             averager.shutdown()
             averager = make_averager()
+        closed = close_connections(dht, last_peers) if args.fresh_connections else 0
         cpu_before = cpu_seconds(os.getpid())
         began = time.time()
         handle = averager.step(tensors, weight=1.0, gather=(step, 0, 0))
         allreduce_began = watch_allreduce_start(handle[0])
         result, averaged = averager.finish(handle)
+        last_peers = [peer for peer in result.peers if peer != dht.peer_id.to_base58()]
         done = time.time()
         cpu_after = cpu_seconds(os.getpid())
         cpu_at_allreduce = allreduce_began.get("cpu", cpu_before)
@@ -131,6 +140,7 @@ def main() -> None:
             bytes_received=result.bytes_received,
             error=result.error,
             averaged=averaged is not None,
+            connections_closed=closed,
             cpu_seconds={k: round(v - cpu_at_allreduce.get(k, 0.0), 3) for k, v in cpu_after.items()},
             cpu_seconds_step={k: round(v - cpu_before.get(k, 0.0), 3) for k, v in cpu_after.items()},
         )

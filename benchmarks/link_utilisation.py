@@ -276,9 +276,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--fresh",
-        choices=["averager", "connections", "peer"],
+        choices=["averager", "connections", "disconnect", "peer"],
         help="for every all-reduce: a new averager in each peer (same DHT and p2p daemon), the peers' connections "
-        "to each other reset, or new peer processes",
+        "to each other reset (ss -K), the peers' connections closed by their p2p daemons (as a node with "
+        "swarm.fresh_connections does), or new peer processes",
     )
     parser.add_argument("--values", type=int, help="values per all-reduce at every rate (default: by rate)")
     parser.add_argument("--no-latest", action="store_true", help="leave latest.json alone")
