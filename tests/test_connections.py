@@ -86,8 +86,9 @@ def test_two_holders_closing_their_connections_every_round_still_average_togethe
             closed += [
                 int(n) for n in re.findall(r"closed (\d+) connection\(s\) to last round's members", log)
             ]
-        # rounds 2 and 3 at both nodes: each closes what the other has not closed first
-        assert len(closed) == 4 and sum(closed) >= 2, closed
+        # at the syncs of rounds 2 and 3, a node closes its connection to the other if the other's record shows it
+        # has ended the last round (a slower node's may not yet), and if the other has not closed it first
+        assert 1 <= len(closed) <= 4 and sum(closed) >= 1, closed
     finally:
         swarm.close()
 
