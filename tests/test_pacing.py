@@ -100,7 +100,9 @@ def test_the_round_begins_on_the_records_read_at_step_h_unless_a_refresh_was_in_
     node = Node(None, NodeOptions(checkpoint_dir=tmp_path))
     node.peer_id = "QmNode"
     node.trainer = SimpleNamespace(step=10)
-    node.cfg = SimpleNamespace(swarm=SimpleNamespace(num_shards=4, shared_lag_steps=0))
+    node.cfg = SimpleNamespace(
+        swarm=SimpleNamespace(num_shards=4, shared_lag_steps=0, fresh_connections=False)
+    )
     node.pacer = RoundPacer(sync_steps=5)
     node.pacer.note_step(1.0)
     node.steps_into_round = 5
