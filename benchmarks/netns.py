@@ -28,9 +28,14 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
 
 
+def _in_netns(ns: str) -> list[str]:
+    """Prefix of a command line that runs it inside namespace `ns`."""
+    return ["ip", "netns", "exec", ns]
+
+
 def _run(*cmd: str, netns: str | None = None) -> str:
     """The output of `cmd`, run in namespace `netns` if given (CalledProcessError if it fails)."""
-    prefix = [] if netns is None else ["ip", "netns", "exec", netns]
+    prefix = [] if netns is None else _in_netns(netns)
     return subprocess.run([*prefix, *cmd], capture_output=True, text=True, check=True, timeout=30).stdout
 
 
@@ -164,7 +169,7 @@ class ShapedNetwork:
 
     def exec_prefix(self, i: int) -> list[str]:
         """Prefix of a command line that runs it inside node i's namespace."""
-        return ["ip", "netns", "exec", self.namespace(i)]
+        return _in_netns(self.namespace(i))
 
     def counters(self, i: int) -> tuple[int, int]:
         """(bytes node i sent, bytes node i received) so far, including headers: what crossed its link."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -27,6 +28,14 @@ NODE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": 
 """One torch thread per process: with more, a 2-core machine slows down many times under contention."""
 
 T = TypeVar("T")
+
+STREAM_CUT = re.compile(r"sent \d+ parts, but we expected \d+")
+"""hivemind's all-reduce error when a peer's stream ends before its last part (a loaded machine, now and then)."""
+
+
+def stream_cut_rounds(rounds: Iterable[dict]) -> list[dict]:
+    """The round reports whose only errors are stream cuts (`STREAM_CUT`)."""
+    return [r for r in rounds if r["errors"] and all(STREAM_CUT.search(e) for e in r["errors"])]
 
 
 def die_with_parent() -> None:

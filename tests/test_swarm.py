@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import signal
 import socket
 from pathlib import Path
@@ -10,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from hivemind.utils import get_dht_time
-from swarm_utils import Swarm, running, wait_for
+from swarm_utils import STREAM_CUT, Swarm, running, stream_cut_rounds, wait_for
 
 from spes_node.procs import descendants
 from spes_node.swarm.bootstrap import start_bootstrap
@@ -113,10 +112,6 @@ def test_four_nodes_two_replicas_agree_after_rounds(swarm_factory, tmp_path):
     assert all("merged" in swarm.log(name) for name in names), "merge warm-up was due at round 2"
 
 
-STREAM_CUT = re.compile(r"sent \d+ parts, but we expected \d+")
-"""hivemind's all-reduce error when a peer's stream ends before its last part."""
-
-
 def test_rounds_begin_once_every_live_holder_is_in_not_at_the_end_of_the_window(swarm_factory):
     # a matchmaking window of 10 minutes: a round that waited it out would time this test out. Each node's groups
     # (the shared parameters, and the one shard both hold) expect the other node, which the records name, and begin
@@ -127,7 +122,7 @@ def test_rounds_begin_once_every_live_holder_is_in_not_at_the_end_of_the_window(
         # hivemind's all-reduce may lose a stream mid-part on a loaded machine ("sent k parts, but we expected n",
         # seen once in the full suite beside two busy loops): the round then still ends at once, which is what this
         # test is about. Allowed in one round of three; any other error fails it
-        cut = [r for r in rounds if r["errors"] and all(STREAM_CUT.search(e) for e in r["errors"])]
+        cut = stream_cut_rounds(rounds)
         assert len(cut) <= 1, (cut, swarm.warnings(("a", "b")))
         for report in rounds:
             # with an error, both nodes' warnings: a sender only learns "sent k parts, but we expected n"

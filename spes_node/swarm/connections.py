@@ -55,11 +55,11 @@ async def _list_in_dht(_dht, node) -> dict[str, list[str]]:
 
 async def _close_in_dht(ids: tuple[bytes, ...], _dht, node) -> int:
     """Runs in the DHT process, which owns the p2p daemon's control connection (`DHT.run_coroutine`)."""
-    connected = {info.peer_id for info in await node.p2p.list_peers()}
+    connected = await _list_in_dht(_dht, node)
     closed = 0
     for raw in ids:
         peer = PeerID(raw)
-        if peer not in connected:
+        if peer.to_base58() not in connected:
             continue
         try:
             await node.p2p._client.disconnect(peer)
