@@ -31,6 +31,7 @@ from benchmarks.link_allreduce import measure
 from benchmarks.link_allreduce import summarize as summarize_allreduce
 from benchmarks.netns import TBF_BURST, TBF_LATENCY, NetnsUnavailable, check_available
 from benchmarks.network_runs import NetworkRun, RoundWindow, run_shaped_swarm
+from spes_node.config import SwarmConfig
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ SETTINGS = {
     "tbf_burst": TBF_BURST,
     "tbf_latency": TBF_LATENCY,
     "namespace_sysctls": {},
-    "fresh": None,
+    "fresh": "disconnect" if SwarmConfig().fresh_connections else None,
     "headline_rates_mbit": [50, 200],
     "full_nodes": {**BYTES_SETTINGS, "rates_mbit": [50, 200]},
 }
@@ -276,10 +277,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--fresh",
-        choices=["averager", "connections", "disconnect", "peer"],
-        help="for every all-reduce: a new averager in each peer (same DHT and p2p daemon), the peers' connections "
-        "to each other reset (ss -K), the peers' connections closed by their p2p daemons (as a node with "
-        "swarm.fresh_connections does), or new peer processes",
+        choices=["none", "averager", "connections", "disconnect", "peer"],
+        help="for every all-reduce: the same connections, a new averager in each peer (same DHT and p2p daemon), "
+        "the peers' connections to each other reset (ss -K), the peers' connections closed by their p2p daemons "
+        "(as a node with swarm.fresh_connections does), or new peer processes (default: as the node's default, "
+        f"{SETTINGS['fresh'] or 'none'})",
     )
     parser.add_argument("--values", type=int, help="values per all-reduce at every rate (default: by rate)")
     parser.add_argument("--no-latest", action="store_true", help="leave latest.json alone")
@@ -303,7 +305,7 @@ def main() -> None:
             parser.error("--sysctl takes KEY=VALUE")
         settings["namespace_sysctls"] = dict(item.split("=", 1) for item in args.sysctl)
     if args.fresh:
-        settings["fresh"] = args.fresh
+        settings["fresh"] = None if args.fresh == "none" else args.fresh
     if args.values:
         settings["params_by_rate"] = {
             str(rate): args.values for rate in SETTINGS["rates_mbit"] + (args.rates or [])

@@ -11,7 +11,9 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from swarm_utils import Swarm, stream_cut_rounds, wait_for
 
-from spes_node.swarm.connections import close_connections, connected_peers
+from spes_node.swarm.connections import aged_connections, close_connections, connected_peers
+from spes_node.swarm.records import NodeInfo
+from spes_node.swarm.relay import relay_peer_ids
 
 
 @pytest.fixture
@@ -110,3 +112,21 @@ def _established(ports: set[int]) -> set[tuple[int, int, int]]:
             if state == "01" and (local in ports or remote in ports):
                 out.add((local, remote, int(fields[9])))
     return out
+
+
+def test_only_members_that_ended_the_round_and_can_be_dialled_again_are_chosen():
+    def node(peer: str, round: int, client_mode: bool = False) -> NodeInfo:
+        return NodeInfo(peer_id=peer, shards=[0], round=round, client_mode=client_mode)
+
+    nodes = {
+        "ended": node("ended", 3),
+        "ahead": node("ahead", 4),
+        "still_in_it": node("still_in_it", 2),
+        "client": node("client", 3, client_mode=True),
+        "relay": node("relay", 3),
+    }
+    members = ["ended", "ahead", "still_in_it", "client", "relay", "no_record"]
+    assert aged_connections(members, nodes, last_round=3, keep={"relay"}) == ["ended", "ahead"]
+    assert aged_connections([], nodes, last_round=3) == []
+    relay_id = "12D3KooWRdRQFxnbcrMzRPBJmPNLsHvTMRSKKc1aPkd3mK5z4YpR"
+    assert relay_peer_ids([f"/ip4/10.0.0.1/tcp/4000/p2p/{relay_id}/", "/ip4/10.0.0.2/tcp/4000"]) == {relay_id}

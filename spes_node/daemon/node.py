@@ -54,7 +54,7 @@ from spes_node.model.ownership import load_state_in_place, owned_shards
 from spes_node.model.tokenizer import training_tokenizer
 from spes_node.procs import NodeDHT, kill_tree
 from spes_node.swarm import reachability, records, relay
-from spes_node.swarm.connections import close_connections
+from spes_node.swarm.connections import aged_connections, close_connections
 from spes_node.swarm.identity import load_or_create_identity
 from spes_node.swarm.progress import ROUND_SLACK, RecentPeers, RoundMembers, consensus_round, should_catch_up
 from spes_node.swarm.swarm_key import SwarmKey
@@ -1036,9 +1036,12 @@ class Node:
     def _close_aged_connections(self, nodes: dict[str, records.NodeInfo]) -> None:
         """Close the connections to the last round's group members whose records show they have ended it, so that
         this round's all-reduces dial fresh ones (`swarm.fresh_connections`, `swarm/connections.py`). A member still
-        in that round keeps its connection: it may be receiving that round's last results from us."""
+        in that round keeps its connection: it may be receiving that round's last results from us; so do client-mode
+        members and our relays."""
         members = self.round_reports[-1]["members"] if self.round_reports else []
-        done = [peer for peer in members if peer in nodes and nodes[peer].round >= self.status.round]
+        done = aged_connections(
+            members, nodes, self.status.round, keep=relay.relay_peer_ids(self.opts.relays)
+        )
         if done:
             closed = close_connections(self.dht, done)
             logger.info(

@@ -11,20 +11,41 @@ A closed connection costs a new handshake and TCP's slow start, well under a sec
 seconds to minutes. A node closes its connections only at the sync, once its own refresh downloads have landed,
 and only to peers whose records show they have ended the last round (a peer still receiving the last results of
 that round would lose them). A download that a peer is taking from us then is cut and asked again (`split.py`),
-and a DHT request in flight fails and is retried by its caller; a peer reachable only through a relay is dialled
-through it again.
+and a DHT request in flight fails and is retried by its caller.
+
+Never closed: connections to a client-mode peer (no inbound connectivity: only it can dial again, and if it
+reserved a relay slot on us, closing would end the reservation its circuit address depends on) and to the peers
+this node holds its own relay reservations on.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Container, Iterable, Mapping
 from functools import partial
 
 from hivemind import DHT
 from hivemind.p2p import PeerID
 
+from spes_node.swarm.records import NodeInfo
+
 logger = logging.getLogger(__name__)
+
+
+def aged_connections(
+    members: Iterable[str], nodes: Mapping[str, NodeInfo], last_round: int, keep: Container[str] = ()
+) -> list[str]:
+    """The peers among the last round's group `members` whose connections to close before the next round: those
+    whose records show they have ended round `last_round`, that peers can dial (not client mode), and not in `keep`
+    (the node's own relays)."""
+    return [
+        peer
+        for peer in members
+        if peer in nodes
+        and nodes[peer].round >= last_round
+        and not nodes[peer].client_mode
+        and peer not in keep
+    ]
 
 
 def close_connections(dht: DHT, peers: Iterable[str], timeout: float = 10.0) -> int:

@@ -83,6 +83,11 @@ def circuit_maddrs(relays: Iterable[str], peer_id: str) -> list[str]:
     return out
 
 
+def relay_peer_ids(relays: Iterable[str]) -> set[str]:
+    """The peer ids (base58) named by relay multiaddrs (`.../p2p/<id>`)."""
+    return {relay.rstrip("/").rsplit("/p2p/", 1)[1] for relay in relays if "/p2p/" in relay}
+
+
 def circuits_of(peer_id: str, maddrs: Iterable[str]) -> list[str]:
     """The circuit addresses among a record's `maddrs` that lead to `peer_id` itself.
 
