@@ -115,17 +115,18 @@ def _established(ports: set[int]) -> set[tuple[int, int, int]]:
 
 
 def test_only_members_that_ended_the_round_and_can_be_dialled_again_are_chosen():
-    def node(peer: str, round: int, client_mode: bool = False) -> NodeInfo:
-        return NodeInfo(peer_id=peer, shards=[0], round=round, client_mode=client_mode)
+    def node(peer: str, round: int, client_mode: bool = False, state: str = "training") -> NodeInfo:
+        return NodeInfo(peer_id=peer, shards=[0], round=round, client_mode=client_mode, state=state)
 
     nodes = {
         "ended": node("ended", 3),
         "ahead": node("ahead", 4),
         "still_in_it": node("still_in_it", 2),
+        "at_its_sync": node("at_its_sync", 3, state="averaging"),
         "client": node("client", 3, client_mode=True),
         "relay": node("relay", 3),
     }
-    members = ["ended", "ahead", "still_in_it", "client", "relay", "no_record"]
+    members = ["ended", "ahead", "still_in_it", "at_its_sync", "client", "relay", "no_record"]
     assert aged_connections(members, nodes, last_round=3, keep={"relay"}) == ["ended", "ahead"]
     assert aged_connections([], nodes, last_round=3) == []
     relay_id = "12D3KooWRdRQFxnbcrMzRPBJmPNLsHvTMRSKKc1aPkd3mK5z4YpR"

@@ -1036,8 +1036,9 @@ class Node:
     def _close_aged_connections(self, nodes: dict[str, records.NodeInfo]) -> None:
         """Close the connections to the last round's group members whose records show they have ended it, so that
         this round's all-reduces dial fresh ones (`swarm.fresh_connections`, `swarm/connections.py`). A member still
-        in that round keeps its connection: it may be receiving that round's last results from us; so do client-mode
-        members and our relays."""
+        in that round keeps its connection (it may be receiving that round's last results from us), and so do a member
+        at its sync already (it closed the connection to us itself), client-mode members and our relays
+        (`connections.aged_connections`)."""
         members = self.round_reports[-1]["members"] if self.round_reports else []
         done = aged_connections(
             members, nodes, self.status.round, keep=relay.relay_peer_ids(self.opts.relays)

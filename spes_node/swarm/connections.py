@@ -36,14 +36,20 @@ def aged_connections(
     members: Iterable[str], nodes: Mapping[str, NodeInfo], last_round: int, keep: Container[str] = ()
 ) -> list[str]:
     """The peers among the last round's group `members` whose connections to close before the next round: those
-    whose records show they have ended round `last_round`, that peers can dial (not client mode), and not in `keep`
-    (the node's own relays)."""
+    whose records show they have ended round `last_round` and are not at their sync yet, that peers can dial (not
+    client mode), and not in `keep` (the node's own relays).
+
+    A peer at its sync already ("averaging") came there first and closed its connection to us then, and its
+    matchmaking may be running on the new one: closing that would cut it. So each pair's connection is closed once
+    a round, by whichever of the two reaches the sync first (both, when they read each other's records before
+    either says it is averaging)."""
     return [
         peer
         for peer in members
-        if peer in nodes
-        and nodes[peer].round >= last_round
-        and not nodes[peer].client_mode
+        if (info := nodes.get(peer)) is not None
+        and info.round >= last_round
+        and info.state != "averaging"
+        and not info.client_mode
         and peer not in keep
     ]
 
