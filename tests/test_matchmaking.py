@@ -224,3 +224,54 @@ def _never_within(timeout: float):
     """A step control's `result` when the outcome never comes: it times out (as `concurrent.futures` does)."""
     time.sleep(timeout)
     raise TimeoutError
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(300)
+def test_a_part_for_a_group_we_are_not_in_is_refused_while_we_look_for_one(dhts):
+    """A member that gave up on its leader's group (its wait for the leader's answer ran out as the leader began)
+    goes on looking for a group. hivemind's averager held the parts that group's members sent it, with no timeout,
+    until it registered a group of its own, and the members' all-reduce waited on it. Here a stranger, built from
+    hivemind's API, sends a part for a group that never formed to an averager that is looking for a group: it is
+    refused while the averager is still looking."""
+    import asyncio
+
+    from hivemind.averaging.control import AveragingStage
+    from hivemind.p2p import P2P
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils.asyncio import as_aiter
+    from swarm_utils import wait_for
+
+    from spes_node.swarm.robust import RobustAverager
+
+    prefix = "test_unknown_group"
+    averager = GroupAverager(
+        dhts[0],
+        prefix,
+        TENSORS,
+        compression="fp16",
+        matchmaking_time=30.0,
+        allreduce_timeout=60.0,
+        client_mode=False,
+    )
+
+    async def send_a_part() -> int:
+        p2p = await P2P.create(initial_peers=[str(m) for m in dhts[0].get_visible_maddrs()])
+        try:
+            stub = RobustAverager.get_stub(p2p, dhts[0].peer_id, namespace=prefix)
+            part = averaging_pb2.AveragingData(
+                code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"a group never formed"
+            )
+            stream = await stub.rpc_aggregate_part(as_aiter(part))
+            return (await asyncio.wait_for(anext(stream), 20)).code
+        finally:
+            await p2p.shutdown()
+
+    try:
+        handle = averager.step({"w": torch.ones(1000)}, 1.0, (0, 0, 1))
+        wait_for(lambda: handle.control.stage == AveragingStage.LOOKING_FOR_GROUP, 60, "the averager to look")
+        code = asyncio.run(send_a_part())
+        assert code == averaging_pb2.BAD_GROUP_ID, averaging_pb2.MessageCode.Name(code)
+        assert handle.control.stage == AveragingStage.LOOKING_FOR_GROUP and not handle.control.done()
+    finally:
+        averager.shutdown()

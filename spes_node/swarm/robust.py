@@ -101,7 +101,7 @@ from hivemind.compression import (
 )
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
+from hivemind.utils.asyncio import achain, amap_in_executor, as_aiter, azip
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -115,6 +115,10 @@ BAN_SECONDS = 3600.0
 PART_WINDOW = 8
 """How many parts of a sender's stream a reducer takes in ahead of the results it has sent back (hivemind: 1)."""
 MAX_BANS = 4096
+UNKNOWN_GROUP_GRACE = 1.0
+"""Seconds an averager that may no longer join a group goes on waiting before it refuses a part sent for that
+group (`RobustAverager.rpc_aggregate_part`)."""
+UNKNOWN_GROUP_POLL = 0.05
 _TINY = 1e-12
 _MODES = (AveragingMode.NODE.value, AveragingMode.CLIENT.value)
 
@@ -953,6 +957,47 @@ class RobustAverager(DecentralizedAverager):
             return
         async for response in super().rpc_join_group(request, context):
             yield response
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's, except for a group this averager has not registered. hivemind waits, with no timeout, until
+        the averager registers some group: right for a member whose leader's "begin" is still on its way, wrong for
+        one that gave up on that leader (its wait for the leader's answer ran out just as the leader began the group
+        with it) and goes on looking for another. Every member of that group then waited on it for their
+        all-reduce's timeouts. Here the wait lasts while a group may still come to us, and a part for a group that
+        cannot is refused (`BAD_GROUP_ID`): its sender keeps its own values there at once."""
+        request = await anext(stream)
+        if not await self._group_may_still_come(request.group_id):
+            logger.debug(f"refusing a part from {context.remote_id} for a group we are not in")
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        async for message in super().rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
+
+    async def _group_may_still_come(self, group_id: bytes) -> bool:
+        """Wait while a group that is not registered yet may still be ours: while a join request of ours is in
+        flight (or one to us is being answered), a leader has accepted us, or a group is assembled and about to be
+        registered. False once none of these has held for `UNKNOWN_GROUP_GRACE` seconds; True once the group is
+        registered, or once hivemind's own wait would end (any group registered, or no step looking for one), for
+        hivemind to answer as it does."""
+        matchmaking = self._matchmaking
+        loop = asyncio.get_running_loop()
+        quiet_since = None
+        while group_id not in self._running_groups and not self._pending_groups_registered.is_set():
+            busy = (
+                matchmaking.lock_request_join_group.locked()
+                or matchmaking.current_leader is not None
+                or matchmaking.assembled_group.done()
+            )
+            if busy:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = loop.time()
+            elif loop.time() - quiet_since >= UNKNOWN_GROUP_GRACE:
+                return False
+            await asyncio.sleep(UNKNOWN_GROUP_POLL)
+        return True
 
     async def _aggregate_with_group(
         self, group_info: GroupInfo, min_vector_size: int, **kwargs
