@@ -225,9 +225,10 @@ class SwarmConfig:
     H steps (false: it waits at step H, as published)."""
     fresh_connections: bool = True
     """At the sync, the node closes its connections to the last round's group members that have ended that round
-    (not to client-mode members or its relays), so that the round's all-reduces run on fresh ones
-    (`swarm/connections.py`): among 3 peers on 50 Mbit/s links, all-reduces after the second on the same
-    connections ran at 0.65-0.79 of the link, at 0.83-0.90 with the connections closed first (docs/performance.md).
+    (not to client-mode members, its relays, or members at their sync already: `connections.aged_connections`), so
+    that the round's all-reduces run on fresh ones: among 3 peers on 50 Mbit/s links, all-reduces after the second
+    on the same connections ran at 0.65-0.79 of the link, at 0.83-0.90 with the connections closed first
+    (docs/performance.md).
     False: connections stay open for as long as the p2p daemon keeps them."""
     matchmaking_time: float = 5.0
     """Seconds a node waits to gather peers into an averaging group."""

@@ -3,6 +3,7 @@ the rule itself, which never refuses a joiner for a full group."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -10,10 +11,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hivemind.p2p import PeerID
+from hivemind.averaging.control import AveragingStage
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import as_aiter
+from swarm_utils import wait_for
 
 from spes_node.swarm.averaging import GroupAverager, StepHandle
-from spes_node.swarm.robust import SpesMatchmaking
+from spes_node.swarm.robust import RobustAverager, SpesMatchmaking
 
 TENSORS = {"w": torch.zeros(1000)}
 
@@ -234,16 +239,6 @@ def test_a_part_for_a_group_we_are_not_in_is_refused_while_we_look_for_one(dhts)
     until it registered a group of its own, and the members' all-reduce waited on it. Here a stranger, built from
     hivemind's API, sends a part for a group that never formed to an averager that is looking for a group: it is
     refused while the averager is still looking."""
-    import asyncio
-
-    from hivemind.averaging.control import AveragingStage
-    from hivemind.p2p import P2P
-    from hivemind.proto import averaging_pb2
-    from hivemind.utils.asyncio import as_aiter
-    from swarm_utils import wait_for
-
-    from spes_node.swarm.robust import RobustAverager
-
     prefix = "test_unknown_group"
     averager = GroupAverager(
         dhts[0],
