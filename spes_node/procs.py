@@ -31,6 +31,7 @@ from pathlib import Path
 
 import hivemind
 import torch
+from torch.overrides import TorchFunctionMode
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
@@ -92,23 +93,34 @@ def shared_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor
     a container runtime's kill in the host's /dev/shm) left them there until the machine restarts: at spes-7b the
     averagers' buffers, several GiB a stop. Made here by file descriptor instead, the memory has no name: the
     kernel frees it with the last process that maps it. A forked helper inherits the mapping; a tensor made here
-    is not meant to be sent to another process by pickling."""
-    with sharing_by_descriptor():
-        return torch.empty(numel, dtype=dtype).share_memory_()
+    is not meant to be sent to another process by pickling.
+
+    The process's sharing strategy stays as it is (`kept_in_place` says why)."""
+    storage = torch.UntypedStorage._new_using_fd_cpu(numel * dtype.itemsize)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,), (1,))
+
+
+class _KeepShared(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.share_memory_ and args[0].is_shared():
+            return args[0]
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
-def sharing_by_descriptor():
-    """torch's "file_descriptor" sharing strategy meanwhile, hivemind's "file_system" after. Also around a call that
-    moves `shared_empty` tensors to shared memory again (hivemind's averager does, as it is made): by file name, it
-    would copy them into a named file. The strategy is the process's: a tensor another thread shares meanwhile goes
-    by descriptor as well, which works the same (torch passes the descriptor along)."""
-    previous = torch.multiprocessing.get_sharing_strategy()
-    torch.multiprocessing.set_sharing_strategy("file_descriptor")
-    try:
+def kept_in_place():
+    """Meanwhile, in this thread, `Tensor.share_memory_` leaves a tensor already in shared memory where it is. Around
+    hivemind's averager as it is made: it calls `share_memory_` on every averaged tensor, which by file name (the
+    process's strategy) copies a `shared_empty` block into a named file and moves the tensor there.
+
+    Switching the process's strategy to "file_descriptor" meanwhile, as this once did, is not safe: the strategy
+    is read by every thread. A DHT call from another thread sends its `MPFuture` to the DHT process by pickling,
+    and pickling the future's shared state byte by the other strategy moves the whole block of such bytes (other
+    futures' as well) to new memory, copied with the GIL released; a future's state written during the copy is
+    lost, and one not yet written reads as whatever the block held. A node then failed to start with an
+    `IndexError` from hivemind's `MPFuture._state`. A torch function mode is the thread's own."""
+    with _KeepShared():
         yield
-    finally:
-        torch.multiprocessing.set_sharing_strategy(previous)
 
 
 def shared_like(tensors: Iterable[torch.Tensor], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:

@@ -105,7 +105,7 @@ from hivemind.utils.asyncio import achain, amap_in_executor, as_aiter, azip
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
-from spes_node.procs import bind_to_parent, release_inherited_tensors, shared_like, sharing_by_descriptor
+from spes_node.procs import bind_to_parent, kept_in_place, release_inherited_tensors, shared_like
 from spes_node.swarm.handlers import Registration, release_stream_handlers
 from spes_node.swarm.swarm_key import SwarmKey
 
@@ -855,7 +855,7 @@ class RobustAverager(DecentralizedAverager):
         if updates and differences:
             raise ValueError("differences are of averaged weights, not of averaged updates")
         # hivemind moves the tensors to shared memory: ours are there already, with no name (`procs.shared_empty`)
-        with sharing_by_descriptor():
+        with kept_in_place():
             super().__init__(averaged_tensors, dht, prefix=prefix, start=False, **kwargs)
         self.policy, self.swarm_key, self.updates = policy, swarm_key, updates
         self.differences = differences
