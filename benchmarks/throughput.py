@@ -270,8 +270,9 @@ def _drop_checkpoints(nodes: list[NodeRun]) -> None:
 
 
 def _mean_stalled(nodes: list[dict]) -> float | None:
-    """Seconds a round held training (`RoundReport.stalled`) over every node's rounds, the first left out."""
-    seconds = [s for node in nodes for s in node.get("round_stalled", [])[1:] if s is not None]
+    """Seconds a round held training (`RoundReport.stalled`) over the rounds whose syncs lie in `node_rate`'s steady
+    window: every round but the last, whose sync is never overlapped (the node leaves after it)."""
+    seconds = [s for node in nodes for s in node.get("round_stalled", [])[:-1] if s is not None]
     return sum(seconds) / len(seconds) if seconds else None
 
 
