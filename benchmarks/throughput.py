@@ -88,6 +88,8 @@ def node_rate(node: NodeRun, sync_steps: int) -> dict:
         "round_steps": [r.get("report", {}).get("steps") for r in rounds],
         "round_phases": [r.get("report", {}).get("phases", {}) for r in rounds],
         "round_stalled": [r.get("report", {}).get("stalled") for r in rounds],
+        # the rounds whose syncs lie in the steady window (the last one, after which the node left, is not)
+        "steady_stalled": [r.get("report", {}).get("stalled") for r in rounds if start <= r["start"] < end],
     }
 
 
@@ -271,8 +273,8 @@ def _drop_checkpoints(nodes: list[NodeRun]) -> None:
 
 def _mean_stalled(nodes: list[dict]) -> float | None:
     """Seconds a round held training (`RoundReport.stalled`) over the rounds whose syncs lie in `node_rate`'s steady
-    window: every round but the last, whose sync is never overlapped (the node leaves after it)."""
-    seconds = [s for node in nodes for s in node.get("round_stalled", [])[:-1] if s is not None]
+    window, which the ratio measures: the last sync of a run, never overlapped (the node leaves after it), is not."""
+    seconds = [s for node in nodes for s in node.get("steady_stalled", []) if s is not None]
     return sum(seconds) / len(seconds) if seconds else None
 
 
