@@ -447,11 +447,8 @@ def test_throughput_steady_state_begins_at_the_first_sync_whatever_round_1_train
     rounds = [
         {"start": 4.0, "end": 5.0, "report": {"steps": 3, "stalled": 2.0}},
         {"start": 8.0, "end": 9.0, "report": {"steps": 2, "stalled": 2.0}},
-        {
-            "start": 12.0,
-            "end": 13.0,
-            "report": {"steps": 2, "stalled": 1.0},
-        },  # the last: the node leaves after it
+        # the last: the node leaves after it
+        {"start": 12.0, "end": 13.0, "report": {"steps": 2, "stalled": 1.0}},
     ]
     rate = node_rate(NodeRun("n", Path("."), Path("n.log"), timeline={"steps": steps, "rounds": rounds}), 2)
     # steady state: from the end of round 1's last step (3.0) to the last step (11.0): 4 steps in 8 s
