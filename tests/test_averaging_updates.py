@@ -172,6 +172,44 @@ def test_fp32_updates_are_the_exact_average_and_fp16_feeds_back_its_rounding(dht
     assert 0 < error16 < 5e-4
 
 
+def test_replicas_whose_updates_differ_part_by_part_keep_each_other(dhts):
+    """Two honest replicas of a shard, each of whose updates is near zero where its experts saw none of its tokens
+    (weight decay alone moved them): ours in "flat", theirs in "embed". A reducer compares a sender's part with its
+    own, and a sender a reducer's result with its own part; against the part's norm alone each found the other
+    hundreds of times too far, rejected it and banned it for an hour (a swarm of int8 updates did, in round 1).
+    The member in client mode sends every part to the other, so both checks run on the skewed parts whatever the
+    group's order."""
+    prefix = f"test_updates_{next(_groups)}"
+    zeros = {name: torch.zeros(shape) for name, shape in SHAPES.items()}
+    options = dict(
+        matchmaking_time=MATCHMAKING, allreduce_timeout=60.0, compression="int8", average="updates"
+    )
+    group = [
+        GroupAverager(dhts[0], prefix, zeros, client_mode=False, **options),
+        GroupAverager(dhts[1], prefix, zeros, client_mode=True, **options),
+    ]
+    try:
+        generator = torch.Generator().manual_seed(4)
+        common = {n: torch.randn(s, generator=generator) for n, s in SHAPES.items()}
+        updates = [{n: 1e-3 * (common[n] + torch.randn(s, generator=generator)) for n, s in SHAPES.items()}]
+        updates.append(
+            {n: 1e-3 * (common[n] + torch.randn(s, generator=generator)) for n, s in SHAPES.items()}
+        )
+        updates[0]["flat"] = 4e-6 * torch.randn(SHAPES["flat"], generator=generator)
+        updates[1]["embed"] = 4e-6 * torch.randn(SHAPES["embed"], generator=generator)
+        anchor = {name: torch.randn(shape, generator=generator) for name, shape in SHAPES.items()}
+        current = [{n: anchor[n] - u[n] for n in SHAPES} for u in updates]
+        outcomes = one_round(group, current, anchors=[anchor, anchor])
+        exact = (flat(updates[0]) + flat(updates[1])) / 2
+        for result, averaged in outcomes:
+            assert result.rejected == {} and result.group_size == 2 and result.failed_reducers == 0, result
+            error = float((flat(averaged) - exact).norm() / exact.norm())
+            assert error < 1e-2, error
+        assert torch.equal(flat(outcomes[0][1]), flat(outcomes[1][1])), "members applied different updates"
+    finally:
+        shutdown(group)
+
+
 def test_weights_mode_averages_weights_as_before(dhts):
     # two members: the robust reducer's result is the plain mean (with three, centered clipping pulls the farthest
     # member's part in, tests/test_faults.py)

@@ -16,7 +16,9 @@ from spes_node.swarm.robust import (
     RobustPolicy,
     SpesMatchmaking,
     check_result,
+    part_floor,
     robust_mean,
+    update_rms,
 )
 
 
@@ -80,6 +82,49 @@ def test_an_honest_update_trained_longer_than_ours_is_not_rejected_but_a_liars_s
     assert check_result(joined.result - joiner, joiner, full_round, own_weight=weights[0]) is None
     # weights mode keeps the plain bound whatever the claim
     assert robust_mean([ours, longer], [1.0, 1e9], ours.shape, own=0, policy=plain).rejected.keys() == {1}
+
+
+def test_a_replica_whose_experts_saw_our_tokens_no_more_is_not_rejected_but_a_liar_still_is():
+    """Update averaging: the experts in one part of a shard can see none of our tokens in a round, and AdamW then
+    moves them by weight decay alone, while a replica's update there is normal. Against our part's norm alone the
+    replica was 200 times too far (a swarm banned an honest replica so, in round 1); against a reference that is
+    at least our whole update's size at the part's length it is not, and a liar far beyond that still is."""
+    g = torch.Generator().manual_seed(3)
+    size = 65_536
+    common = torch.randn(2 * size, generator=g)
+    ours = 1e-3 * (common + torch.randn(2 * size, generator=g))
+    ours[size:] = 4e-6 * torch.randn(size, generator=g)  # the second half saw no tokens: weight decay only
+    theirs = 1e-3 * (common + torch.randn(2 * size, generator=g))
+    part = slice(size, 2 * size)
+    policy = RobustPolicy()
+    floor = part_floor(update_rms([ours]), size)
+    assert 0.5 * float(ours.norm()) < floor / (0.5**0.5) < 1.5 * float(ours.norm())
+
+    alone = robust_mean([ours[part], theirs[part]], [1.0, 1.0], torch.Size([size]), own=0, policy=policy)
+    assert alone.rejected.keys() == {1}, "our part's norm alone must be what rejected the replica"
+    kept = robust_mean(
+        [ours[part], theirs[part]],
+        [1.0, 1.0],
+        torch.Size([size]),
+        own=0,
+        policy=policy,
+        reference_floor=floor,
+    )
+    assert kept.rejected == {}
+    torch.testing.assert_close(kept.result, (ours[part] + theirs[part]) / 2)
+    # the replica, as a sender, accepts that average as our part's result; so does our side, with its floor
+    assert check_result(kept.result - ours[part], ours[part], policy) is not None
+    assert check_result(kept.result - ours[part], ours[part], policy, reference_floor=floor) is None
+    # a liar 100 times our whole update's size is still refused, as a part and as a result
+    liar = 100 * theirs[part]
+    refused = robust_mean(
+        [ours[part], liar], [1.0, 1.0], torch.Size([size]), own=0, policy=policy, reference_floor=floor
+    )
+    assert refused.rejected.keys() == {1}
+    assert check_result(liar, ours[part], policy, reference_floor=floor) is not None
+    # the root mean square is over all of our tensors' values, however they are split
+    assert update_rms([ours[:size], ours[size:]]) == pytest.approx(update_rms([ours]), rel=1e-5)
+    assert update_rms([]) == 0.0
 
 
 def test_failed_reducers_are_counted():

@@ -60,7 +60,10 @@ the tokens trained for it, and members do not train equal amounts per round (a f
 waits for a slower one, a joiner trains only the rest of its first round). Our own update counts as if scaled
 up to a full round (`own_scale`: our tokens alone decide it), and a sender that claims k times a full round (or
 our tokens, if more) may lie min(k, `max_work_ratio`) times farther (`RobustPolicy.max_work_ratio`). With the
-bound of 4 alone, an honest member that trained 20 steps was banned by one that trained 6.
+bound of 4 alone, an honest member that trained 20 steps was banned by one that trained 6. A part's reference
+norm is also never below what our whole update has at the part's length (`part_floor`): the experts of one part
+may see none of our tokens in a round, leaving our update there at weight decay alone, while a replica's saw
+many; with our part's norm alone, two honest replicas of a shard banned each other in round 1.
 
 **Bytes.** `RobustAllReduceRunner` counts the serialized messages of the all-reduce (protobuf size, tensor
 buffer plus a few bytes of header per chunk) in both roles: as a sender (our parts out, results in, through a
@@ -180,8 +183,12 @@ def robust_mean(
     shape: torch.Size,
     own: int | None = None,
     policy: RobustPolicy = RobustPolicy(),
+    reference_floor: float = 0.0,
 ) -> Aggregate:
     """Centered-clipping mean of `parts` around `parts[own]` (around their coordinate-wise median without one).
+
+    `reference_floor`: the reference norm is never below this (updates: our whole update's size at this part's
+    length, `part_floor`, since one part of our own update can be near zero while an honest replica's is not).
 
     The reducer of every all-reduce part runs this in the averager's event loop, so it works part by part without
     stacking the senders' copies: one difference from the center per other sender, their norms, and the result
@@ -204,7 +211,7 @@ def robust_mean(
     center = xs[own_k] if own_k is not None else torch.stack(xs).median(dim=0).values
     diffs = [None if k == own_k else x - center for k, x in enumerate(xs)]
     distances = [0.0 if d is None else float(d.norm()) for d in diffs]
-    reference = max(float(center.norm()), _lower_median([float(x.norm()) for x in xs]))
+    reference = max(float(center.norm()), _lower_median([float(x.norm()) for x in xs]), reference_floor)
     limit = policy.max_distance_ratio * reference + _TINY
     limits = [limit * ratio for ratio in _work_ratios(weights, valid, own, policy)]
     keep = [k for k, i in enumerate(valid) if i == own or distances[k] <= limits[k]]
@@ -229,6 +236,24 @@ def robust_mean(
         if diffs[k] is not None and weight > 0:
             result.add_(diffs[k], alpha=min(tau / max(distances[k], _TINY), 1.0) * weight / total)
     return Aggregate(result.reshape(shape), rejected, own_share)
+
+
+def update_rms(tensors: Iterable[torch.Tensor]) -> float:
+    """Root mean square of the values of `tensors` (our whole update in update averaging), in float64."""
+    total, count = 0.0, 0
+    for tensor in tensors:
+        total += float(torch.linalg.vector_norm(tensor, dtype=torch.float32).double() ** 2)
+        count += tensor.numel()
+    return math.sqrt(total / count) if count else 0.0
+
+
+def part_floor(rms: float, numel: int) -> float:
+    """The norm a part of `numel` values would have at root mean square `rms`: the least reference norm for a part
+    of our update. Updates are not spread evenly: the experts of one part may have seen none of our tokens in a
+    round (AdamW then moves them by weight decay alone, four orders of magnitude less), while a replica's saw many.
+    Our own part's norm alone made an honest replica look 200 times too far, and banned it. The floor comes from our
+    own tensors only, so no peer can raise it."""
+    return rms * math.sqrt(numel)
 
 
 def own_scale(own_weight: float, policy: RobustPolicy) -> float:
@@ -257,17 +282,23 @@ def _work_ratios(
 
 
 def check_result(
-    delta: Any, local: torch.Tensor, policy: RobustPolicy = RobustPolicy(), own_weight: float | None = None
+    delta: Any,
+    local: torch.Tensor,
+    policy: RobustPolicy = RobustPolicy(),
+    own_weight: float | None = None,
+    reference_floor: float = 0.0,
 ) -> str | None:
     """Why a reducer's result (a delta for our part `local`) cannot be used, or None. Updates: the bound grows by
-    `max_work_ratio`, and by `own_scale` of our weight when it is given."""
+    `max_work_ratio`, and by `own_scale` of our weight when it is given; our part's norm counts as at least
+    `reference_floor` (`part_floor`)."""
     reason = check_part(delta, local.shape)
     if reason is not None:
         return reason
     scale = max(policy.max_work_ratio, 1.0) * (
         own_scale(own_weight, policy) if own_weight is not None else 1.0
     )
-    bound = 2 * policy.max_distance_ratio * scale * float(local.float().norm()) + _TINY
+    reference = max(float(local.float().norm()), reference_floor)
+    bound = 2 * policy.max_distance_ratio * scale * reference + _TINY
     moved = float(delta.float().norm())
     if not moved <= bound:
         return f"its result moves our part by {moved:.3g}, more than {bound:.3g}"
@@ -322,9 +353,12 @@ class RobustPartReducer(TensorPartReducer):
         policy: RobustPolicy,
         on_reject: Callable[[int, str], None],
         broadcast: UpdateBroadcast | None = None,
+        reference_rms: float = 0.0,
     ):
         self.local_sender, self.policy, self.on_reject = local_sender, policy, on_reject
         self.broadcast = broadcast
+        self.reference_rms = reference_rms
+        """Root mean square of our whole input: each part's reference norm is at least its `part_floor`."""
         self.contributions: dict[int, dict[int, tuple[torch.Tensor, float]]] = {}
         """Part index -> sender -> (its part, its weight), for the parts not yet reduced."""
         self.part_futures: dict[int, asyncio.Future] = {}
@@ -408,6 +442,7 @@ class RobustPartReducer(TensorPartReducer):
             self.part_shapes[index],
             own=senders.index(self.local_sender) if self.local_sender in senders else None,
             policy=self.policy,
+            reference_floor=part_floor(self.reference_rms, self.part_shapes[index].numel()),
         )
         result: Any = aggregate.result
         if self.broadcast is not None:
@@ -453,11 +488,14 @@ class CheckedPartContainer(TensorPartContainer):
         on_bad_result: Callable[[int, str], None],
         residual: Sequence[torch.Tensor] | None = None,
         own_weight: float | None = None,
+        reference_rms: float = 0.0,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
         self.local_index, self.policy, self.on_bad_result = local_index, policy, on_bad_result
         self.own_weight = own_weight
+        self.reference_rms = reference_rms
+        """Root mean square of our whole input: a result is bounded as if our part were at least that large."""
         """Our weight in the all-reduce (tokens trained): bounds results in update averaging (`check_result`)."""
         self.failed_reducers: set[int] = set()
         """Peers (indices) whose parts we kept at our local values because they did not reduce them."""
@@ -530,7 +568,8 @@ class CheckedPartContainer(TensorPartContainer):
         if peer_index != self.local_index and part_index < len(inputs):
             local = inputs[part_index][0]
             delta = part if self.return_deltas or check_part(part, local.shape) else part - local
-            reason = check_result(delta, local, self.policy, self.own_weight)
+            floor = part_floor(self.reference_rms, local.numel())
+            reason = check_result(delta, local, self.policy, self.own_weight, floor)
             if reason is not None:
                 self.on_bad_result(peer_index, reason)
                 raise AllreduceException(f"rejected a result of peer #{peer_index}: {reason}")
@@ -578,6 +617,9 @@ class RobustAllReduceRunner(AllReduceRunner):
         # hivemind's __init__ built a plain container and reducer: replace both before anything runs
         self.tensor_part_reducer.finished.set()
         index = self.ordered_peer_ids.index(self.peer_id)
+        # updates: a part's reference norm is at least what our whole update has at its length (`part_floor`);
+        # weights are alike part by part, so they keep their own part's norm
+        reference_rms = update_rms(tensors) if updates else 0.0
         self.tensor_part_container = CheckedPartContainer(
             tensors,
             peer_fractions,
@@ -587,6 +629,7 @@ class RobustAllReduceRunner(AllReduceRunner):
             on_bad_result=self._reject_reducer,
             residual=residual,
             own_weight=self.weight,
+            reference_rms=reference_rms,
             **container_kwargs,
         )
         self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(index)
@@ -604,6 +647,7 @@ class RobustAllReduceRunner(AllReduceRunner):
             policy=policy,
             on_reject=self._reject_sender,
             broadcast=broadcast,
+            reference_rms=reference_rms,
         )
         for peer in self.ignored & set(self.sender_peer_ids):
             self.banned_senders.add(peer)
