@@ -135,6 +135,7 @@ def gather(results: dict[str, dict], errors: dict[str, str], seconds: float, loa
         "throughput_ratio_overlap": get("throughput", "throughput_ratio_overlap"),
         "throughput_ratio_overlap_shards": get("throughput", "throughput_ratio_overlap_shards"),
         "throughput_headline_variant": get("throughput", "headline_variant"),
+        "throughput_link_mbit": get("throughput", "throughput_link_mbit"),
         "throughput_ratio_as_published": get("throughput", "throughput_ratio_as_published"),
         "throughput_raw_tokens_per_s_ratio": get("throughput", "raw_tokens_per_s_ratio"),
         "val_loss_ratio_std": get("quality", "val_loss_ratio_std"),
@@ -142,7 +143,12 @@ def gather(results: dict[str, dict], errors: dict[str, str], seconds: float, loa
         "scale": scale_detail,
         "gpu_step": results.get("gpu_step"),
         "errors": errors,
-        "details": {name: f"{name}.json" for name in results if name != "gpu_step"},
+        # a benchmark that names its result file otherwise (throughput on shaped links) says so
+        "details": {
+            name: result.get("result_file", f"{name}.json")
+            for name, result in results.items()
+            if name != "gpu_step"
+        },
     }
 
 

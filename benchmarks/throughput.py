@@ -178,9 +178,12 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
         for name in variants
         if name not in HEADLINE_VARIANTS
     }
+    result_name = settings.get("result") or (f"throughput_{rate:g}mbit" if rate else "throughput")
     results = {
         "throughput_ratio": variants[default]["compute_share"] / share,
         "headline_variant": default,
+        "throughput_link_mbit": rate,
+        "result_file": f"{result_name}.json",
         "throughput_ratio_as_published": variants["sync"]["compute_share"] / share,
         "throughput_ratio_overlap": (
             variants["overlap"]["compute_share"] / share if "overlap" in variants else None
@@ -234,7 +237,6 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
         )
     )
     loads = [v["load"] for v in variants.values()]
-    result_name = settings.get("result") or (f"throughput_{rate:g}mbit" if rate else "throughput")
     write_result(result_name, settings, results, {"per_variant": loads})
     if write_latest:
         keys = ("throughput_ratio", "throughput_ratio_as_published", "throughput_ratio_overlap")

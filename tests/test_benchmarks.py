@@ -131,6 +131,15 @@ def test_table_and_gather_handle_missing_numbers():
     assert document["goals"]["throughput_ratio"]["met"] is None
     assert document["errors"] == {"quality": "boom"}
     json.dumps(document)
+    # throughput on shaped links: its rate reaches latest.json, and the details name the file it wrote
+    shaped = {
+        "throughput_ratio": 0.9,
+        "throughput_link_mbit": 100.0,
+        "result_file": "throughput_100mbit.json",
+    }
+    document = gather({"throughput": shaped, "memory": {"memory_ratio": 0.4}}, {}, 1.0, {})
+    assert document["throughput_link_mbit"] == 100.0
+    assert document["details"] == {"throughput": "throughput_100mbit.json", "memory": "memory.json"}
 
 
 def test_gpu_step_script_runs_on_cpu_with_the_tiny_preset():
