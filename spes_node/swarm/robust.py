@@ -109,6 +109,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
 from spes_node.procs import bind_to_parent, kept_in_place, release_inherited_tensors, shared_like
+from spes_node.swarm import streams
 from spes_node.swarm.handlers import Registration, release_stream_handlers
 from spes_node.swarm.swarm_key import SwarmKey
 
@@ -684,7 +685,8 @@ class RobustAllReduceRunner(AllReduceRunner):
             raise
 
     def _get_peer_stub(self, peer: PeerID):
-        return _CountingStub(super()._get_peer_stub(peer), self)
+        expected = self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(peer)]
+        return _CountingStub(super()._get_peer_stub(peer), self, expected)
 
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
@@ -700,6 +702,14 @@ class RobustAllReduceRunner(AllReduceRunner):
                 else:  # a refusal (a stale group, a cancelled step) or an error, told to the sender as such
                     ended = f"answered {averaging_pb2.MessageCode.Name(message.code)}"
                 yield message
+            if 0 < averaged == self.tensor_part_reducer.num_parts:
+                # every result is out: the sender closes once it has read them (`streams`), and closing first
+                # could lose the last of them
+                await streams.linger()
+        except asyncio.CancelledError:
+            if averaged != self.tensor_part_reducer.num_parts:
+                ended = "CancelledError"
+            raise  # else the sender closed the stream, as it does once it has every result
         except BaseException as e:
             ended = type(e).__name__
             raise
@@ -809,14 +819,19 @@ def _delta_message(averaged: torch.Tensor, sent: torch.Tensor, compression: int)
 
 
 class _CountingStub:
-    """A peer's averaging stub that counts the bytes of the all-reduce messages both ways."""
+    """A peer's averaging stub that counts the bytes of the all-reduce messages both ways, and closes the stream of
+    results once the `expected` parts are in (or the reducer refused): the reducer waits for that close
+    (`streams`)."""
 
-    def __init__(self, stub, runner: RobustAllReduceRunner):
-        self._stub, self._runner = stub, runner
+    def __init__(self, stub, runner: RobustAllReduceRunner, expected: int):
+        self._stub, self._runner, self._expected = stub, runner, expected
 
     async def rpc_aggregate_part(self, requests: AsyncIterator[averaging_pb2.AveragingData]):
         stream = await self._stub.rpc_aggregate_part(self._runner.counted(requests, received=False))
-        return self._runner.counted(stream, received=True)
+        complete = lambda message, count: (  # noqa: E731
+            count >= self._expected or message.code != averaging_pb2.AVERAGED_PART
+        )
+        return self._runner.counted(streams.take(stream, complete), received=True)
 
 
 # ---------------------------------------------------------------------------------------------- the averager

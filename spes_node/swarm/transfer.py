@@ -24,7 +24,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from spes_node.proto.state_pb2 import StateRequest
-from spes_node.swarm import relay
+from spes_node.swarm import relay, streams
 from spes_node.swarm.swarm_key import SwarmKey
 
 logger = logging.getLogger(__name__)
@@ -153,6 +153,9 @@ class StateServer:
                 self.bytes_sent += len(chunk.buffer)
                 yield averaging_pb2.DownloadData(tensor_part=chunk, metadata=metadata if first else b"")
                 first = False
+        # everything is out: the receiver closes once it has read it (`streams`); the snapshot is not held meanwhile
+        snapshot = serialized = None
+        await streams.linger()
 
     async def _withdraw_stale(self, part: str, snapshot: Snapshot) -> None:
         """A snapshot read from buffers that were replaced since is withdrawn (until the next publish): it is no
@@ -317,7 +320,7 @@ async def _receive(
         parts.clear()
 
     stream = await p2p.iterate_protobuf_handler(peer, handler, request, averaging_pb2.DownloadData)
-    async for message in stream:
+    async for message in streams.take(stream, _TensorCount(len(expected))):
         if message.metadata and metadata is None:
             if len(message.metadata) > MAX_METADATA_BYTES:
                 raise TransferError("metadata too large")
@@ -337,6 +340,23 @@ async def _receive(
     if metadata is not None and len(tensors) < len(expected):
         raise _Truncated(f"stream ended after {len(tensors)} of {len(expected)} tensors", nbytes)
     return metadata, tensors, nbytes
+
+
+class _TensorCount:
+    """`streams.take`'s test for a download: true at the last chunk of the last expected tensor. A tensor's first
+    chunk carries its dtype and, when it was split, its number of chunks (`split_for_streaming`)."""
+
+    def __init__(self, tensors: int):
+        self.tensors, self.seen, self.chunks_left = tensors, 0, 0
+
+    def __call__(self, message: averaging_pb2.DownloadData, count: int) -> bool:
+        part = message.tensor_part
+        if part.dtype:
+            self.seen += 1
+            self.chunks_left = max(part.chunks, 1) - 1
+        else:
+            self.chunks_left -= 1
+        return self.seen >= self.tensors and self.chunks_left <= 0
 
 
 def validate_tensors(
