@@ -100,9 +100,10 @@ def run_updates(dhts, compression: str, error_feedback: bool, rounds: int):
     (scaled as they are), and each round's results.
 
     Now and then a member loses part of an all-reduce, or is left out of a group on a loaded machine (`Lost`;
-    the cause of the losses is in hivemind's transport, not found yet). The members' error-feedback residuals then hold that round's rounding, so the run starts over with new
-    averagers, saying so, up to twice. Not on fresh DHTs: a check that started over on new ones lost a part of
-    their first all-reduce there too."""
+    one cause of lost parts, a reducer closing its stream of results first, is gone: `swarm/streams.py`; whether
+    it was the only one is not known). The members' error-feedback residuals then hold that round's rounding, so
+    the run starts over with new averagers, saying so, up to twice. Not on fresh DHTs: a check that started over
+    on new ones lost a part of their first all-reduce there too."""
     for attempt in range(3):
         try:
             return _run_updates(dhts, compression, error_feedback, rounds)

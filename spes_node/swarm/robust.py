@@ -1016,6 +1016,9 @@ class RobustAverager(DecentralizedAverager):
             return
         async for response in super().rpc_join_group(request, context):
             yield response
+        # the follower closes once it has read our last answer (hivemind's does, in any case): closing first could
+        # lose that answer, a "begin" among them, and the follower would look on for a group it is in (`streams`)
+        await streams.linger()
 
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
