@@ -693,7 +693,16 @@ class RobustAllReduceRunner(AllReduceRunner):
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         self._serving += 1
         self._served.clear()
-        averaged, ended = 0, "its input ended"
+        averaged, ended, serving = 0, "its input ended", True
+
+        def served() -> None:
+            nonlocal serving
+            if serving:
+                serving = False
+                self._serving -= 1
+                if not self._serving:
+                    self._served.set()
+
         try:
             async for message in super().rpc_aggregate_part(self.counted(stream, received=True), context):
                 self.bytes_sent += message.ByteSize()
@@ -703,8 +712,10 @@ class RobustAllReduceRunner(AllReduceRunner):
                     ended = f"answered {averaging_pb2.MessageCode.Name(message.code)}"
                 yield message
             if 0 < averaged == self.tensor_part_reducer.num_parts:
-                # every result is out: the sender closes once it has read them (`streams`), and closing first
-                # could lose the last of them
+                # every result is out (`wait_served` waits no longer): the sender closes once it has read them
+                # (`streams`), and closing first could lose the last of them; a sender that reads on until the
+                # stream ends (hivemind's own) is not waited for
+                served()
                 await streams.linger()
         except asyncio.CancelledError:
             if averaged != self.tensor_part_reducer.num_parts:
@@ -714,9 +725,7 @@ class RobustAllReduceRunner(AllReduceRunner):
             ended = type(e).__name__
             raise
         finally:
-            self._serving -= 1
-            if not self._serving:
-                self._served.set()
+            served()
             expected = self.tensor_part_reducer.num_parts
             if 0 < expected != averaged:
                 # the sender reports only "sent k parts, but we expected n": say here why we stopped
