@@ -495,9 +495,9 @@ class CheckedPartContainer(TensorPartContainer):
         super().__init__(*args, **kwargs)
         self.local_index, self.policy, self.on_bad_result = local_index, policy, on_bad_result
         self.own_weight = own_weight
+        """Our weight in the all-reduce (tokens trained): bounds results in update averaging (`check_result`)."""
         self.reference_rms = reference_rms
         """Root mean square of our whole input: a result is bounded as if our part were at least that large."""
-        """Our weight in the all-reduce (tokens trained): bounds results in update averaging (`check_result`)."""
         self.failed_reducers: set[int] = set()
         """Peers (indices) whose parts we kept at our local values because they did not reduce them."""
         self.residual_parts_by_peer = self._residual_views(residual) if residual is not None else None
