@@ -17,7 +17,7 @@ from spes_node.model.moe import MoEForCausalLM, read_stored
 from spes_node.model.ownership import apply_ownership, frozen_shard_buffers, load_shard_tensors, shard_tensors
 from spes_node.proto.state_pb2 import StateRequest
 from spes_node.swarm.snapshots import FrozenShard, SnapshotPublisher
-from spes_node.swarm.transfer import Snapshot, StateServer
+from spes_node.swarm.transfer import Snapshot, StateServer, _TensorCount
 
 
 def _model(frozen_dtype: str) -> MoEForCausalLM:
@@ -63,8 +63,18 @@ def _served(server: StateServer, part: str, round_: int) -> tuple[dict | None, d
     """(metadata, tensors) of what the server streams for one request, parsed as a downloader does."""
 
     async def collect():
+        # read as a downloader does: up to the last chunk of the last tensor the metadata names, then close (the
+        # handler waits for that close, `swarm/streams.py`)
         request = StateRequest(part=part, config_hash="h", min_round=round_)
-        return [m async for m in server._handle(request, SimpleNamespace(remote_id="peer"))]
+        stream = server._handle(request, SimpleNamespace(remote_id="peer"))
+        messages, complete = [], None
+        async for message in stream:
+            messages.append(message)
+            complete = complete or _TensorCount(len(json.loads(message.metadata)["names"]))
+            if complete(message, len(messages)):
+                break
+        await stream.aclose()
+        return messages
 
     messages = asyncio.run(collect())
     if not messages:
