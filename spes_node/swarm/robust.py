@@ -717,11 +717,9 @@ class RobustAllReduceRunner(AllReduceRunner):
                 # stream ends (hivemind's own) is not waited for
                 served()
                 await streams.linger()
-        except asyncio.CancelledError:
-            if averaged != self.tensor_part_reducer.num_parts:
-                ended = "CancelledError"
-            raise  # else the sender closed the stream, as it does once it has every result
-        except BaseException as e:
+        except (
+            BaseException
+        ) as e:  # a CancelledError once every result is out: the sender closed, as it should
             ended = type(e).__name__
             raise
         finally:
@@ -837,10 +835,10 @@ class _CountingStub:
 
     async def rpc_aggregate_part(self, requests: AsyncIterator[averaging_pb2.AveragingData]):
         stream = await self._stub.rpc_aggregate_part(self._runner.counted(requests, received=False))
-        complete = lambda message, count: (  # noqa: E731
-            count >= self._expected or message.code != averaging_pb2.AVERAGED_PART
-        )
-        return self._runner.counted(streams.take(stream, complete), received=True)
+        return self._runner.counted(streams.take(stream, self._complete), received=True)
+
+    def _complete(self, message: averaging_pb2.AveragingData, count: int) -> bool:
+        return count >= self._expected or message.code != averaging_pb2.AVERAGED_PART
 
 
 # ---------------------------------------------------------------------------------------------- the averager

@@ -27,12 +27,11 @@ LINGER_SECONDS = 30.0
 still in flight to arrive over a slow link (16 MiB at 10 Mbit/s takes 13 s)."""
 
 
-async def linger(seconds: float = LINGER_SECONDS) -> bool:
+async def linger(seconds: float = LINGER_SECONDS) -> None:
     """Wait, after a handler's last message, for the receiver to close the stream: hivemind then cancels the
-    handler, and this raises CancelledError. Returns False if `seconds` passed first (the handler then ends, closing
+    handler, and this raises CancelledError. Returns once `seconds` passed first (the handler then ends, closing
     its side, as hivemind's do)."""
     await asyncio.sleep(seconds)
-    return False
 
 
 async def take(stream: AsyncIterator[T], done: Callable[[T, int], bool]) -> AsyncIterator[T]:
