@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -89,14 +90,25 @@ def running(pid: int, started: int | None = None) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def run_captured(
+    args: Sequence[str], timeout: float, env: dict[str, str] | None = None, cwd: Path | str | None = None
+) -> subprocess.CompletedProcess:
+    """`subprocess.run(args, capture_output=True, text=True)`, done once the process itself has exited.
+
+    A process that used hivemind's futures started torch's shared-memory manager (hivemind shares memory through
+    files), which inherits the process's stderr and holds it open for 2 s after its last client has gone: reading
+    pipes to their end would wait that out. The output goes to files instead, read once the process exits."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        done = subprocess.run(args, stdout=out, stderr=err, text=True, timeout=timeout, env=env, cwd=cwd)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(done.args, done.returncode, out.read(), err.read())
+
+
 def spes_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run `python -m spes_node.cli ARGS` and capture its output."""
-    return subprocess.run(
-        [sys.executable, "-m", "spes_node.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=dict(os.environ, **NODE_ENV),
+    return run_captured(
+        [sys.executable, "-m", "spes_node.cli", *args], timeout=timeout, env=dict(os.environ, **NODE_ENV)
     )
 
 

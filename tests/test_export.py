@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from live_bytes import LiveBytes
+from swarm_utils import run_captured
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from spes_node.cli import main
@@ -330,7 +330,7 @@ def test_a_one_round_node_run_exports_to_a_model_with_the_nodes_logits(tmp_path)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     join = [sys.executable, "-m", "spes_node.cli", "join", "--preset", "tiny", "--max-rounds", "1", "--device", "cpu",
             "--checkpoint-dir", str(tmp_path / "node"), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]  # fmt: skip
-    node = subprocess.run(join, capture_output=True, text=True, timeout=150, env=env)
+    node = run_captured(join, timeout=150, env=env)
     assert node.returncode == 0, node.stderr[-2000:]
 
     result = export("--checkpoint-dir", str(tmp_path / "node"), "--out", str(tmp_path / "out"))

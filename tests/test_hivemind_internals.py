@@ -9,7 +9,6 @@ import multiprocessing as mp
 import os
 import re
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from hivemind.p2p import P2P
 from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
 from hivemind.utils.mpfuture import MPFuture
 from hivemind_locks import renew_wedged_hivemind_locks
+from swarm_utils import run_captured
 
 from spes_node.procs import NodeDHT, descendants
 from spes_node.swarm import relay
@@ -169,9 +169,7 @@ def phases(logger_name, scenario):
 
 
 def _run_phases(script: str) -> dict[str, str]:
-    done = subprocess.run(
-        [sys.executable, "-c", _PHASES + script], capture_output=True, text=True, timeout=420
-    )
+    done = run_captured([sys.executable, "-c", _PHASES + script], timeout=420)
     assert done.returncode == 0, done.stderr[-3000:]
     _, unfiltered, filtered = re.split(r"^=== (?:un)?filtered$", done.stderr, flags=re.M)
     return {"unfiltered": unfiltered, "filtered": filtered}

@@ -8,14 +8,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 from netns import HostSwarm, Network, unavailable
-from swarm_utils import NODE_ENV
+from swarm_utils import NODE_ENV, run_captured
 
 from spes_node.daemon.placement import replica_counts
 
@@ -215,10 +214,10 @@ def test_client_behind_nat_is_reachable_through_a_relay(network, net_swarm, tmp_
     circuits = [m for m in record.maddrs if "/p2p-circuit/" in m]
     assert circuits and all(m.startswith(swarm.maddr) for m in circuits), record.maddrs
 
-    probe = subprocess.run(
+    probe = run_captured(
         other.command(sys.executable, "-c", RELAY_PROBE, swarm.maddr, str(swarm.config_path), record.peer_id,
                       swarm.run_id, *circuits),
-        capture_output=True, text=True, timeout=240, env={**os.environ, **NODE_ENV},
+        timeout=240, env={**os.environ, **NODE_ENV},
     )  # fmt: skip
     assert probe.returncode == 0, probe.stdout[-2000:] + probe.stderr[-3000:]
     outcome = json.loads(probe.stdout.strip().splitlines()[-1])

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
-from swarm_utils import loopback_dhts
+from swarm_utils import loopback_dhts, run_captured
 
 from spes_node.swarm.averaging import GroupAverager, estimated_bytes
 
@@ -101,13 +100,7 @@ def measured(compression: str, average: str) -> list[tuple[int, int]]:
     failed alike); what it was is not found (a whole suite under strace showed one failed close, no more). A fresh
     interpreter inherits nothing from the worker."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        [sys.executable, __file__, compression, average],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env=env,
-    )
+    done = run_captured([sys.executable, __file__, compression, average], timeout=280, env=env)
     if done.stdout.strip():
         print(done.stdout)
     assert done.returncode == 0, done.stderr[-4000:]
