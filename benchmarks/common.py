@@ -139,12 +139,15 @@ def goal_entry(key: str, value: float | None) -> dict[str, Any]:
     return {"goal": f"{op} {target}", "value": value, "met": met}
 
 
-def merge_latest(values: dict[str, Any]) -> None:
-    """Merge one benchmark's run into `latest.json`, keeping every other key: `values` replace theirs, and every
-    headline's goal record is made again from `GOALS` and the headline's value in the document."""
+def merge_latest(values: dict[str, Any], details: dict[str, str] | None = None) -> None:
+    """Merge one benchmark's run into `latest.json`, keeping every other key: `values` replace theirs, `details`
+    (benchmark -> the result file it wrote) replace those benchmarks' entries only, and every headline's goal record
+    is made again from `GOALS` and the headline's value in the document."""
     path = RESULTS_DIR / "latest.json"
     document = json.loads(path.read_text()) if path.is_file() else {}
     document.update(values)
+    if details:
+        document["details"] = {**document.get("details", {}), **details}
     document["goals"] = {key: goal_entry(key, document.get(key)) for key in GOALS}
     path.write_text(json.dumps(document, indent=1) + "\n")
 

@@ -248,7 +248,8 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
                 "throughput_raw_tokens_per_s_ratio": results["raw_tokens_per_s_ratio"],
                 "throughput_link_mbit": rate,
                 **other_ratios,
-            }
+            },
+            details={"throughput": results["result_file"]},
         )
     return results
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import memory
+from benchmarks import common, memory
 from benchmarks.bytes_per_round import analytic, steady_rounds
 from benchmarks.common import table
 from benchmarks.link_utilisation import window_utilisation
@@ -140,6 +140,16 @@ def test_table_and_gather_handle_missing_numbers():
     document = gather({"throughput": shaped, "memory": {"memory_ratio": 0.4}}, {}, 1.0, {})
     assert document["throughput_link_mbit"] == 100.0
     assert document["details"] == {"throughput": "throughput_100mbit.json", "memory": "memory.json"}
+
+
+def test_a_run_merged_alone_names_its_file_and_keeps_the_other_details(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    details = {"throughput": "throughput_100mbit.json", "memory": "memory.json"}
+    (tmp_path / "latest.json").write_text(json.dumps({"throughput_ratio": 0.9, "details": details}))
+    common.merge_latest({"throughput_ratio": 0.96}, details={"throughput": "throughput_100mbit_again.json"})
+    document = json.loads((tmp_path / "latest.json").read_text())
+    assert document["throughput_ratio"] == 0.96 and document["goals"]["throughput_ratio"]["met"] is True
+    assert document["details"] == {"throughput": "throughput_100mbit_again.json", "memory": "memory.json"}
 
 
 def test_gpu_step_script_runs_on_cpu_with_the_tiny_preset():

@@ -208,6 +208,11 @@ class _Flight:
     shared_lag: int = 0
     """Overlapping the shards only: local steps training may go on while the shared all-reduce runs
     (`swarm.shared_lag_steps`; 0: `land_shared` is called at once)."""
+    deferred_shards: dict[int, Callable[[], tuple[StepHandle | None, dict[str, torch.Tensor] | None]]] = (
+        field(default_factory=dict)
+    )
+    """Overlapping the shards only, without a lag: the shards' steps, begun by `land_shared` once the shared
+    result is in (each returns its handle and the host copy it keeps, as `begin_round` would have)."""
 
     def handles(self) -> list:
         return [self.shared, *self.shards.values()]
@@ -473,32 +478,35 @@ class SpesRound:
                 )
             return self._unless_stopped(start, key, errors, averager=averager)
 
-        shard_handles = {}
-        for shard, local in shards_local.items():
+        def shard_step(shard: int, local: dict[str, torch.Tensor]):
             replicas = [peer for peer, n in others.items() if shard in n.shards]
-            shard_handles[shard] = (
-                step(self.shard_avgs[shard], f"shard{shard}", local, replicas) if replicas else None
-            )
+            handle = step(self.shard_avgs[shard], f"shard{shard}", local, replicas) if replicas else None
+            keeps = (overlap or overlap_shards) and self._keeps_sent(f"shard{shard}", handle)
+            return handle, _to_host(local) if keeps else None
+
         shared_handle = step(self.shared_avg, "shared", shared_local, list(others)) if others else None
+        # Overlapping the shards only, the round waits for the shared all-reduce alone: begun beside it, the
+        # shards' (many times its bytes) would share its links and cores, and it would end with them. They begin
+        # once the shared result has landed, on the same weights (training waits until then), and run beside
+        # the next steps as before. Their members are the shared group's too, so they reach them together.
+        defer = overlap_shards and not overlap and not shared_lag and shared_handle is not None
+        deferred = {shard: partial(shard_step, shard, local) for shard, local in shards_local.items()}
+        begun = {} if defer else {shard: start() for shard, start in deferred.items()}
         self._inflight = _Flight(
             inputs=inputs,
             started=time.perf_counter(),
             shared=shared_handle,
-            shards=shard_handles,
+            shards={shard: begun[shard][0] if shard in begun else None for shard in shards_local},
             sent_shared=_to_host(shared_local)
             if (overlap or shared_lag) and self._keeps_sent("shared", shared_handle)
             else None,
-            sent_shards={
-                shard: _to_host(local)
-                if (overlap or overlap_shards) and self._keeps_sent(f"shard{shard}", shard_handles[shard])
-                else None
-                for shard, local in shards_local.items()
-            },
+            sent_shards={shard: begun[shard][1] if shard in begun else None for shard in shards_local},
             errors=errors,
             waited_for=sorted(self._waited_ahead | {peer for peer, eta in etas.items() if eta > 0}),
             overlapped=((overlap or shared_lag) and shared_handle is not None)
-            or ((overlap or overlap_shards) and any(h is not None for h in shard_handles.values())),
+            or ((overlap or overlap_shards) and any(h is not None for h, _ in begun.values())),
             shared_lag=shared_lag,
+            deferred_shards=deferred if defer else {},
         )
         self._waited_ahead = set()
         self._inflight.stalled = time.perf_counter() - called
@@ -632,6 +640,10 @@ class SpesRound:
         result, averaged = self._finish(self.shared_avg, flight.shared)
         self._apply("shared", self.shared_outer, shared_parameters(self.model), flight.sent_shared, averaged)
         flight.shared_landed, flight.shared_landed_after = (result, averaged), steps_since
+        for shard, start in flight.deferred_shards.items():
+            flight.shards[shard], flight.sent_shards[shard] = start()
+            flight.overlapped |= flight.shards[shard] is not None
+        flight.deferred_shards = {}
         flight.stalled += time.perf_counter() - called
 
     def shared_due(self, steps_since: int) -> bool:
