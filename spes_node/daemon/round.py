@@ -141,6 +141,11 @@ class RoundReport:
     publishing). With `overlapped`, the first two also hold the local steps trained meanwhile."""
     shared_landed_after: int = 0
     """Local steps trained after the round began and before the shared result landed (`swarm.shared_lag_steps`)."""
+    shared_landed_at: float | None = None
+    """Seconds after the round began that the shared result landed, when it landed before the rest (`land_shared`)."""
+    shards_began_at: float | None = None
+    """Seconds after the round began that its first shard step began (None without one): with `overlap_shards`,
+    once the shared result has landed (unless `shared_lag_steps`); otherwise beside the shared step, at 0."""
     stalled: float = 0.0
     """Seconds the round held the training thread: starting it, waiting for the results it applies (all of them,
     or the shared parameters' with `overlap_shards`), applying them and what follows (`after`). With overlap,
@@ -178,6 +183,8 @@ class RoundReport:
             "steps_while_waiting": self.steps_while_waiting,
             "phases": dict(self.phases),
             "shared_landed_after": self.shared_landed_after,
+            "shared_landed_at": self.shared_landed_at,
+            "shards_began_at": self.shards_began_at,
             "stalled": self.stalled,
             "members": list(self.members),
         }
@@ -201,6 +208,8 @@ class _Flight:
     """Overlapping the shards only: the shared parameters' result, applied already (`land_shared`)."""
     shared_landed_after: int = 0
     """Local steps trained before `land_shared` applied it."""
+    shared_landed_at: float | None = None
+    """`time.perf_counter()` when `land_shared` had applied it."""
     stalled: float = 0.0
     """Seconds the training thread spent in `begin_round` and `land_shared` so far."""
     overlapped: bool = False
@@ -640,6 +649,7 @@ class SpesRound:
         result, averaged = self._finish(self.shared_avg, flight.shared)
         self._apply("shared", self.shared_outer, shared_parameters(self.model), flight.sent_shared, averaged)
         flight.shared_landed, flight.shared_landed_after = (result, averaged), steps_since
+        flight.shared_landed_at = time.perf_counter()
         for shard, start in flight.deferred_shards.items():
             flight.shards[shard], flight.sent_shards[shard] = start()
             flight.overlapped |= flight.shards[shard] is not None
@@ -725,6 +735,11 @@ class SpesRound:
             steps_while_waiting=max(inputs.steps - self.cfg.swarm.sync_steps, 0),
             shared_landed_after=flight.shared_landed_after,
         )
+        began = [h.started for h in flight.shards.values() if h is not None]
+        if began:  # steps handed over just before the flight was made count as its start
+            report.shards_began_at = max(min(began) - flight.started, 0.0)
+        if flight.shared_landed_at is not None:
+            report.shared_landed_at = flight.shared_landed_at - flight.started
         report.errors.extend(flight.errors)
         averaged_in = time.perf_counter() - flight.started
         allreduce = max((group[2].allreduce_seconds for group in groups), default=0.0)
