@@ -651,6 +651,8 @@ class SpesRound:
         flight.shared_landed, flight.shared_landed_after = (result, averaged), steps_since
         flight.shared_landed_at = time.perf_counter()
         for shard, start in flight.deferred_shards.items():
+            if self.stop_event.is_set():  # a node on its way out begins no group
+                break
             flight.shards[shard], flight.sent_shards[shard] = start()
             flight.overlapped |= flight.shards[shard] is not None
         flight.deferred_shards = {}
