@@ -91,7 +91,7 @@ def running(pid: int, started: int | None = None) -> bool:
 
 
 def run_captured(
-    args: Sequence[str], timeout: float, env: dict[str, str] | None = None, cwd: Path | str | None = None
+    args: Sequence[str], timeout: float, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     """`subprocess.run(args, capture_output=True, text=True)`, done once the process itself has exited.
 
@@ -99,7 +99,7 @@ def run_captured(
     files), which inherits the process's stderr and holds it open for 2 s after its last client has gone: reading
     pipes to their end would wait that out. The output goes to files instead, read once the process exits."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        done = subprocess.run(args, stdout=out, stderr=err, text=True, timeout=timeout, env=env, cwd=cwd)
+        done = subprocess.run(args, stdout=out, stderr=err, text=True, timeout=timeout, env=env)
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(done.args, done.returncode, out.read(), err.read())

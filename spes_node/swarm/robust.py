@@ -717,9 +717,8 @@ class RobustAllReduceRunner(AllReduceRunner):
                 # stream ends (hivemind's own) is not waited for
                 served()
                 await streams.linger()
-        except (
-            BaseException
-        ) as e:  # a CancelledError once every result is out: the sender closed, as it should
+        # a CancelledError once every result is out: the sender closed, as it should
+        except BaseException as e:
             ended = type(e).__name__
             raise
         finally:
