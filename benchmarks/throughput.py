@@ -90,6 +90,11 @@ def node_rate(node: NodeRun, sync_steps: int) -> dict:
         "round_stalled": [r.get("report", {}).get("stalled") for r in rounds],
         # the rounds whose syncs lie in the steady window (the last one, after which the node left, is not)
         "steady_stalled": [r.get("report", {}).get("stalled") for r in rounds if start <= r["start"] < end],
+        # overlapping the shards: when the shared result landed after the round began (the part of the stall that
+        # is its all-reduce)
+        "steady_shared_landed_at": [
+            r.get("report", {}).get("shared_landed_at") for r in rounds if start <= r["start"] < end
+        ],
     }
 
 
@@ -212,6 +217,7 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
                 "all-reduce s",
                 "after s",
                 "stalled s",
+                "shared landed s",
                 "load",
             ],
             [
@@ -227,6 +233,7 @@ def run(workdir: Path, settings: dict | None = None, write_latest: bool = False)
                     _mean_round_steps(v["nodes"]),
                     *(_mean_phase(v["nodes"], phase) for phase in ("matchmaking", "allreduce", "after")),
                     _mean_stalled(v["nodes"]),
+                    _mean_steady(v["nodes"], "steady_shared_landed_at"),
                     v["load"]["loadavg_1min_mean"],
                 ]
                 for name, v in variants.items()
@@ -277,7 +284,13 @@ def _drop_checkpoints(nodes: list[NodeRun]) -> None:
 def _mean_stalled(nodes: list[dict]) -> float | None:
     """Seconds a round held training (`RoundReport.stalled`) over the rounds whose syncs lie in `node_rate`'s steady
     window, which the ratio measures: the last sync of a run, never overlapped (the node leaves after it), is not."""
-    seconds = [s for node in nodes for s in node.get("steady_stalled", []) if s is not None]
+    return _mean_steady(nodes, "steady_stalled")
+
+
+def _mean_steady(nodes: list[dict], key: str) -> float | None:
+    """The mean of a per-round figure over every node's steady rounds (see `_mean_stalled`), None where no round
+    has one."""
+    seconds = [s for node in nodes for s in node.get(key, []) if s is not None]
     return sum(seconds) / len(seconds) if seconds else None
 
 

@@ -458,16 +458,16 @@ def test_simulated_unequal_cards_train_their_extra_steps_each_round(tmp_path):
 
 def test_throughput_steady_state_begins_at_the_first_sync_whatever_round_1_trained():
     from benchmarks.swarm import NodeRun
-    from benchmarks.throughput import _mean_stalled, node_rate
+    from benchmarks.throughput import _mean_stalled, _mean_steady, node_rate
 
     # H = 2; round 1 trained one step past H while waiting (3 steps of 1 s, 100 tokens each), then a 2 s sync,
     # round 2's 2 steps and a 2 s sync, round 3's 2 steps and its sync
     steps = [[t, 100, 1.0] for t in (1.0, 2.0, 3.0, 6.0, 7.0, 10.0, 11.0)]
     rounds = [
-        {"start": 4.0, "end": 5.0, "report": {"steps": 3, "stalled": 2.0}},
-        {"start": 8.0, "end": 9.0, "report": {"steps": 2, "stalled": 2.0}},
+        {"start": 4.0, "end": 5.0, "report": {"steps": 3, "stalled": 2.0, "shared_landed_at": 0.5}},
+        {"start": 8.0, "end": 9.0, "report": {"steps": 2, "stalled": 2.0, "shared_landed_at": None}},
         # the last: the node leaves after it
-        {"start": 12.0, "end": 13.0, "report": {"steps": 2, "stalled": 1.0}},
+        {"start": 12.0, "end": 13.0, "report": {"steps": 2, "stalled": 1.0, "shared_landed_at": 9.0}},
     ]
     rate = node_rate(NodeRun("n", Path("."), Path("n.log"), timeline={"steps": steps, "rounds": rounds}), 2)
     # steady state: from the end of round 1's last step (3.0) to the last step (11.0): 4 steps in 8 s
@@ -477,6 +477,8 @@ def test_throughput_steady_state_begins_at_the_first_sync_whatever_round_1_train
     # the stalled seconds of the syncs inside that window, not of the last one
     assert rate["steady_stalled"] == [2.0, 2.0]
     assert _mean_stalled([rate]) == 2.0
+    # when the shared result landed, over the steady rounds that landed it before the rest
+    assert _mean_steady([rate], "steady_shared_landed_at") == 0.5
 
 
 def test_throughput_drops_the_nodes_checkpoints_it_does_not_read(tmp_path):

@@ -62,8 +62,17 @@ def test_a_shut_down_dht_is_a_warning_not_an_error(two_dhts, caplog):
 
 
 def test_two_holders_closing_their_connections_every_round_still_average_together(tmp_path):
+    # rounds of 10 steps: a node closes a member's connection once the member's record shows it has ended the last
+    # round, and the shards' all-reduce of an overlapped round (the default) begins only after the shared one has
+    # landed. With 5 tiny steps (about a second) on a loaded machine, both nodes' last rounds were still running at
+    # the next sync in 1 of 4 runs, and neither closed anything
     swarm = Swarm(
-        tmp_path, num_shards=1, fresh_connections=True, matchmaking_time=30.0, averaging_timeout=20.0
+        tmp_path,
+        num_shards=1,
+        fresh_connections=True,
+        matchmaking_time=30.0,
+        averaging_timeout=20.0,
+        sync_steps=10,
     )
     try:
         names = ("a", "b")

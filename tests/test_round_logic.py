@@ -126,7 +126,8 @@ def test_the_report_keeps_the_dict_form_that_summaries_read():
     assert set(as_dict) == {
         "round", "loss", "shared_group", "shards", "shard_group", "shard_groups", "bytes_shared", "bytes_shard", "seconds", "overlapped",
         "failed_parts", "errors", "banned", "merged", "refreshed", "caught_up", "resynced", "anchors",
-        "steps", "steps_while_waiting", "phases", "shared_landed_after", "stalled", "members",
+        "steps", "steps_while_waiting", "phases", "shared_landed_after", "shared_landed_at", "shards_began_at", "stalled",
+        "members",
     }  # fmt: skip
     assert as_dict["bytes_shared"] == 300 and as_dict["bytes_shard"] == 33
     assert as_dict["shard_group"] == 2  # the smallest group of the node's shards

@@ -271,6 +271,65 @@ def test_a_node_rounds_behind_the_swarm_averages_nothing_into_its_groups():
         spes_round.loop.stop()
 
 
+def test_the_shards_begun_after_the_shared_result_look_only_for_its_groups_members():
+    """Overlapping the shards only, their steps begin once the shared result has landed (`land_shared`), among the
+    members of the shared group: a replica that missed it is out of step this round (a group waiting for it would
+    wait out its window), and with nobody in the shared group no shard step begins (a node out of step would
+    otherwise spend a second window alone, and its rounds would grow as long as the swarm's, never meeting it)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from spes_node.daemon.round import RoundInputs
+    from spes_node.model.moe import MoEForCausalLM
+    from spes_node.model.ownership import apply_ownership
+    from spes_node.swarm import records
+    from spes_node.swarm.averaging import GroupResult
+
+    cfg = load_preset("tiny").replace(swarm={"num_shards": 1})
+    model = MoEForCausalLM(cfg.model, cfg.swarm.num_shards)
+    apply_ownership(model, [0])
+    spes_round = _round(cfg, threading.Event(), model)
+    expected: dict[str, list[str]] = {}
+
+    def started(start, key, *args, **kwargs):
+        expected[key] = sorted(start.keywords["expected"])
+        return object()
+
+    try:
+        spes_round.reset_outer()
+        spes_round.shared_avg = spes_round.shard_avgs[0] = SimpleNamespace(
+            step=lambda *args, **kwargs: None, healthy=True
+        )
+        spes_round._unless_stopped = started
+        me = records.NodeInfo(peer_id="me", shards=[0], round=4, state="training")
+        peers = {
+            name: records.NodeInfo(peer_id=name, shards=[0], round=4, state="training") for name in ("p", "q")
+        }
+        for shared_group, shard_expected in (
+            (["me", "p"], ["p"]),
+            (["me", "p", "q"], ["p", "q"]),
+            ([], None),
+        ):
+            expected.clear()
+            with torch.no_grad():
+                spes_round.begin_round(
+                    RoundInputs(4, 40, 100, 3.0, {"me": me, **peers}, me, (0, 1)), False, True
+                )
+                assert expected == {"shared": ["p", "q"]}, "the shards' steps wait for the shared result"
+                peers_info = {peer: (4, 40, 100) for peer in shared_group}
+                result = GroupResult(max(len(shared_group), 1), 1.0, 0, 0, peers=peers_info)
+                spes_round._finish = lambda averager, handle, result=result: (result, None)
+                spes_round.land_shared()
+            flight, spes_round._inflight = spes_round._inflight, None
+            if shard_expected is None:
+                assert "shard0" not in expected and flight.shards == {0: None}, expected
+            else:
+                assert expected["shard0"] == shard_expected and flight.shards[0] is not None, expected
+    finally:
+        spes_round.loop.stop()
+
+
 def test_a_node_taking_the_swarm_state_takes_its_own_shard_of_the_shared_parameters_round():
     """The records a catching-up node reads may be a round old: the shared parameters then come of a later round
     than the records say. Its own shard must be of that round too (a holder in the middle of a merge still serves

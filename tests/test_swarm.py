@@ -267,6 +267,14 @@ def test_overlapping_the_shards_only_lands_the_shared_average_at_once_and_the_sh
         # an all-reduce takes longer than the moment between the round's start and the next step's: with the lag,
         # the shared average lands after one step
         assert [r["shared_landed_after"] for r in rounds] == [shared_lag, shared_lag, 0], rounds
+        # the shards' steps begin once the shared result has landed (they would share its links and cores); with the
+        # lag, training goes on at once and they begin with the shared step
+        for r in rounds[:2]:
+            if shared_lag:
+                assert r["shards_began_at"] < r["shared_landed_at"], r
+            else:
+                assert r["shards_began_at"] >= r["shared_landed_at"] > 0, r
+        assert rounds[2]["shared_landed_at"] is None and rounds[2]["shards_began_at"] is not None, rounds[2]
         # the round held training for part of its time only: the step trained meanwhile is not in its stall
         assert all(r["stalled"] > 0 for r in rounds), rounds
         if shared_lag:

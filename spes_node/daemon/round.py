@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -141,6 +141,11 @@ class RoundReport:
     publishing). With `overlapped`, the first two also hold the local steps trained meanwhile."""
     shared_landed_after: int = 0
     """Local steps trained after the round began and before the shared result landed (`swarm.shared_lag_steps`)."""
+    shared_landed_at: float | None = None
+    """Seconds after the round began that the shared result landed, when it landed before the rest (`land_shared`)."""
+    shards_began_at: float | None = None
+    """Seconds after the round began that its first shard step began (None without one): with `overlap_shards`,
+    once the shared result has landed (unless `shared_lag_steps`); otherwise beside the shared step, at 0."""
     stalled: float = 0.0
     """Seconds the round held the training thread: starting it, waiting for the results it applies (all of them,
     or the shared parameters' with `overlap_shards`), applying them and what follows (`after`). With overlap,
@@ -178,6 +183,8 @@ class RoundReport:
             "steps_while_waiting": self.steps_while_waiting,
             "phases": dict(self.phases),
             "shared_landed_after": self.shared_landed_after,
+            "shared_landed_at": self.shared_landed_at,
+            "shards_began_at": self.shards_began_at,
             "stalled": self.stalled,
             "members": list(self.members),
         }
@@ -201,6 +208,8 @@ class _Flight:
     """Overlapping the shards only: the shared parameters' result, applied already (`land_shared`)."""
     shared_landed_after: int = 0
     """Local steps trained before `land_shared` applied it."""
+    shared_landed_at: float | None = None
+    """`time.perf_counter()` when `land_shared` had applied it."""
     stalled: float = 0.0
     """Seconds the training thread spent in `begin_round` and `land_shared` so far."""
     overlapped: bool = False
@@ -208,6 +217,12 @@ class _Flight:
     shared_lag: int = 0
     """Overlapping the shards only: local steps training may go on while the shared all-reduce runs
     (`swarm.shared_lag_steps`; 0: `land_shared` is called at once)."""
+    deferred_shards: dict[int, Callable[..., tuple[StepHandle | None, dict[str, torch.Tensor] | None]]] = (
+        field(default_factory=dict)
+    )
+    """Overlapping the shards only, without a lag: the shards' steps, begun by `land_shared` once the shared
+    result is in, among the members of its group (each returns its handle and the host copy it keeps, as
+    `begin_round` would have)."""
 
     def handles(self) -> list:
         return [self.shared, *self.shards.values()]
@@ -473,32 +488,42 @@ class SpesRound:
                 )
             return self._unless_stopped(start, key, errors, averager=averager)
 
-        shard_handles = {}
-        for shard, local in shards_local.items():
-            replicas = [peer for peer, n in others.items() if shard in n.shards]
-            shard_handles[shard] = (
-                step(self.shard_avgs[shard], f"shard{shard}", local, replicas) if replicas else None
-            )
+        def shard_step(shard: int, local: dict[str, torch.Tensor], in_step: Collection[str] | None = None):
+            # `in_step`: begun after the shared result, the members of its group; a replica that did not make it
+            # is out of step this round (waiting for it would cost the window), and with no member at all, neither
+            # would any replica come: the step is not begun (a node out of step keeps a round of one window)
+            replicas = [
+                peer
+                for peer, n in others.items()
+                if shard in n.shards and (in_step is None or peer in in_step)
+            ]
+            handle = step(self.shard_avgs[shard], f"shard{shard}", local, replicas) if replicas else None
+            keeps = (overlap or overlap_shards) and self._keeps_sent(f"shard{shard}", handle)
+            return handle, _to_host(local) if keeps else None
+
         shared_handle = step(self.shared_avg, "shared", shared_local, list(others)) if others else None
+        # Overlapping the shards only, the round waits for the shared all-reduce alone: begun beside it, the
+        # shards' (many times its bytes) would share its links and cores, and it would end with them. They begin
+        # once the shared result has landed, on the same weights (training waits until then), and run beside
+        # the next steps as before. Their members are the shared group's too, so they reach them together.
+        defer = overlap_shards and not overlap and not shared_lag and shared_handle is not None
+        deferred = {shard: partial(shard_step, shard, local) for shard, local in shards_local.items()}
+        begun = {} if defer else {shard: start() for shard, start in deferred.items()}
         self._inflight = _Flight(
             inputs=inputs,
             started=time.perf_counter(),
             shared=shared_handle,
-            shards=shard_handles,
+            shards={shard: begun[shard][0] if shard in begun else None for shard in shards_local},
             sent_shared=_to_host(shared_local)
             if (overlap or shared_lag) and self._keeps_sent("shared", shared_handle)
             else None,
-            sent_shards={
-                shard: _to_host(local)
-                if (overlap or overlap_shards) and self._keeps_sent(f"shard{shard}", shard_handles[shard])
-                else None
-                for shard, local in shards_local.items()
-            },
+            sent_shards={shard: begun[shard][1] if shard in begun else None for shard in shards_local},
             errors=errors,
             waited_for=sorted(self._waited_ahead | {peer for peer, eta in etas.items() if eta > 0}),
             overlapped=((overlap or shared_lag) and shared_handle is not None)
-            or ((overlap or overlap_shards) and any(h is not None for h in shard_handles.values())),
+            or ((overlap or overlap_shards) and any(h is not None for h, _ in begun.values())),
             shared_lag=shared_lag,
+            deferred_shards=deferred if defer else {},
         )
         self._waited_ahead = set()
         self._inflight.stalled = time.perf_counter() - called
@@ -632,6 +657,13 @@ class SpesRound:
         result, averaged = self._finish(self.shared_avg, flight.shared)
         self._apply("shared", self.shared_outer, shared_parameters(self.model), flight.sent_shared, averaged)
         flight.shared_landed, flight.shared_landed_after = (result, averaged), steps_since
+        flight.shared_landed_at = time.perf_counter()
+        for shard, start in flight.deferred_shards.items():
+            if self.stop_event.is_set():  # a node on its way out begins no group
+                break
+            flight.shards[shard], flight.sent_shards[shard] = start(in_step=set(result.peers))
+            flight.overlapped |= flight.shards[shard] is not None
+        flight.deferred_shards = {}
         flight.stalled += time.perf_counter() - called
 
     def shared_due(self, steps_since: int) -> bool:
@@ -713,6 +745,11 @@ class SpesRound:
             steps_while_waiting=max(inputs.steps - self.cfg.swarm.sync_steps, 0),
             shared_landed_after=flight.shared_landed_after,
         )
+        began = [h.started for h in flight.shards.values() if h is not None]
+        if began:  # steps handed over just before the flight was made count as its start
+            report.shards_began_at = max(min(began) - flight.started, 0.0)
+        if flight.shared_landed_at is not None:
+            report.shared_landed_at = flight.shared_landed_at - flight.started
         report.errors.extend(flight.errors)
         averaged_in = time.perf_counter() - flight.started
         allreduce = max((group[2].allreduce_seconds for group in groups), default=0.0)
