@@ -203,12 +203,13 @@ class SwarmConfig:
     (false: training waits for the round, as published)."""
     overlap_shards: bool = True
     """Overlap the shards' all-reduces only (the bulk of a round's bytes): training waits for the shared parameters'
-    all-reduce, applies its result, and goes on while the shards' run; their result is applied with the local
-    progress made meanwhile. With the plain average of weights (the default) it costs no memory: the averagers
-    return the average's difference to what was handed over; Nesterov and update averaging keep an fp32 host copy
-    of the own shards while they run. On by default: no measurable loss in the quality simulation (6 seeds),
-    0.928-0.941 of the loop without syncs on 100 Mbit/s links against 0.856-0.876 (false: training waits for every
-    all-reduce, as published). The last round of a `--max-rounds` run waits. `overlap` overlaps every group and
+    all-reduce, applies its result, then begins the shards' (among the shared group's members, so that they do not
+    share its links) and goes on while they run; their result is applied with the local progress made meanwhile.
+    With the plain average of weights (the default) it costs no memory: the averagers return the average's
+    difference to what was handed over; Nesterov and update averaging keep an fp32 host copy of the own shards
+    while they run. On by default: no measurable loss in the quality simulation (6 seeds), 0.952-0.956 of the loop
+    without syncs on 100 Mbit/s links against 0.886-0.897 (false: both all-reduces at once, training waits for
+    every all-reduce, as published). The last round of a `--max-rounds` run waits. `overlap` overlaps every group and
     supersedes it."""
     shared_lag_steps: int = 0
     """With `overlap_shards`: training goes on for up to this many local steps while the shared parameters'
