@@ -153,7 +153,7 @@ def traffic_table(t: RoundTraffic, rate_mbit: float) -> str:
     )
     beside = {
         "none": "",
-        "shards": "; the shards' run beside the next steps (swarm.overlap_shards)",
+        "shards": "; the shards' begin once it is done and run beside the next steps (swarm.overlap_shards)",
         "all": "; they run beside the next steps (swarm.overlap)",
     }[t.overlap]
     lines.append(
