@@ -505,19 +505,20 @@ class SpesRound:
         # Overlapping the shards only, the round waits for the shared all-reduce alone: begun beside it, the
         # shards' (many times its bytes) would share its links and cores, and it would end with them. They begin
         # once the shared result has landed, on the same weights (training waits until then), and run beside
-        # the next steps as before. Their members are the shared group's too, so they reach them together.
+        # the next steps as before, among the shared group's members (`shard_step`'s `in_step`).
         defer = overlap_shards and not overlap and not shared_lag and shared_handle is not None
         deferred = {shard: partial(shard_step, shard, local) for shard, local in shards_local.items()}
         begun = {} if defer else {shard: start() for shard, start in deferred.items()}
+        not_begun = (None, None)
         self._inflight = _Flight(
             inputs=inputs,
             started=time.perf_counter(),
             shared=shared_handle,
-            shards={shard: begun[shard][0] if shard in begun else None for shard in shards_local},
+            shards={shard: begun.get(shard, not_begun)[0] for shard in shards_local},
             sent_shared=_to_host(shared_local)
             if (overlap or shared_lag) and self._keeps_sent("shared", shared_handle)
             else None,
-            sent_shards={shard: begun[shard][1] if shard in begun else None for shard in shards_local},
+            sent_shards={shard: begun.get(shard, not_begun)[1] for shard in shards_local},
             errors=errors,
             waited_for=sorted(self._waited_ahead | {peer for peer, eta in etas.items() if eta > 0}),
             overlapped=((overlap or shared_lag) and shared_handle is not None)
