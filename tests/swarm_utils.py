@@ -11,18 +11,21 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 import hivemind
 import pytest
+from hivemind.utils.multiaddr import Multiaddr
 
 from spes_node.config import load_preset
 from spes_node.daemon.checkpoint import CheckpointManager
 from spes_node.procs import start_time
 from spes_node.swarm import records
 from spes_node.swarm.bootstrap import start_bootstrap
+from spes_node.swarm.watchdog import p2pd_exit_code
 
 FAST = {"heartbeat_s": 1.0, "sync_steps": 5, "matchmaking_time": 2.0}
 NODE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -120,8 +123,12 @@ class Swarm:
         self.cfg = load_preset("tiny").replace(swarm={**FAST, **swarm_overrides})
         self.config_path = self.tmp / "config.json"
         self.config_path.write_text(self.cfg.to_json())
-        self.bootstrap = start_bootstrap(["/ip4/127.0.0.1/tcp/0"])
+        # with an identity file and, once known, a fixed port: `keep_bootstrap` can start it again at this address
+        self._bootstrap_identity = str(self.tmp / "bootstrap.key")
+        self.bootstrap = start_bootstrap(["/ip4/127.0.0.1/tcp/0"], identity=self._bootstrap_identity)
         self.maddr = str(self.bootstrap.get_visible_maddrs()[0])
+        self._seen_maddrs: dict[str, list[str]] = {}
+        self.bootstrap_restarts: list[str] = []
         self.procs: dict[str, subprocess.Popen] = {}
         self.expected_deaths: set[str] = set()
 
@@ -138,6 +145,7 @@ class Swarm:
         would hold every shard of tiny on this machine). `program`: what python runs (a test entry point)."""
         if not any(arg in ("--shard", "--shards", "--max-shards") for arg in args):
             args = ("--shards", "1", *args)
+        self.keep_bootstrap()  # a node given a bootstrap without p2pd could not join
         node_dir = self.tmp / name
         node_dir.mkdir(exist_ok=True)
         config_args = ["--config", str(config or self.config_path)] if configured else []
@@ -177,7 +185,39 @@ class Swarm:
         return {name: [line for line in self.log(name).splitlines() if " WARN" in line] for name in names}
 
     def nodes(self) -> dict[str, records.NodeInfo]:
-        return records.fetch_nodes(self.bootstrap, self.run_id)
+        self.keep_bootstrap()
+        nodes = records.fetch_nodes(self.bootstrap, self.run_id)
+        self._seen_maddrs.update({peer: list(n.maddrs) for peer, n in nodes.items() if n.maddrs})
+        return nodes
+
+    def keep_bootstrap(self) -> None:
+        """Start the bootstrap again, at the same address, should its p2pd have exited (with a warning that the
+        test's summary shows). It is the test's infrastructure, not what the test checks; without its p2pd the DHT
+        answers reads from its own storage alone, so a node that joined afterwards never showed up in them, and a
+        node started afterwards could not join. Seen twice in whole-suite runs on a loaded machine, in the same
+        placement test, the cause not found (a SIGTERM to p2pd leaves exactly that trace; nothing in the project or
+        its tests sends one to a process it did not start)."""
+        if not self.bootstrap.is_alive():
+            problem = f"DHT process exited (code {self.bootstrap.exitcode})"
+        elif (code := p2pd_exit_code(self.bootstrap)) is not None:
+            problem = f"p2pd exited (code {code})"
+        else:
+            return
+        port = Multiaddr(self.maddr).value_for_protocol("tcp")
+        message = f"the test's bootstrap {problem}: started again at {self.maddr}"
+        self.bootstrap_restarts.append(message)
+        warnings.warn(message, stacklevel=2)
+        self.bootstrap.shutdown()
+        self.bootstrap.end_orphans()
+        peers = [maddr for maddrs in self._seen_maddrs.values() for maddr in maddrs]
+        try:  # the nodes read before know where the swarm is; the bootstrap on its own would know nobody
+            self.bootstrap = start_bootstrap(
+                [f"/ip4/127.0.0.1/tcp/{port}"], identity=self._bootstrap_identity, peers=peers
+            )
+        except Exception:
+            self.bootstrap = start_bootstrap(
+                [f"/ip4/127.0.0.1/tcp/{port}"], identity=self._bootstrap_identity
+            )
 
     def check_alive(self) -> None:
         """Fail early when a node died (a node that finished its --max-rounds exits 0 and is fine)."""

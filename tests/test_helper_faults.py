@@ -6,15 +6,17 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import hivemind
 import pytest
-from swarm_utils import Swarm, running, wait_for
+from swarm_utils import NODE_ENV, Swarm, die_with_parent, running, wait_for
 
-from spes_node.daemon.watchdog import DHTWatch
 from spes_node.procs import children, descendants, kill_if_same, kill_tree, start_time
+from spes_node.swarm.watchdog import DHTWatch, p2pd_exit_code
 
 pytestmark = pytest.mark.swarm
 
@@ -186,3 +188,62 @@ def test_a_node_killed_with_all_its_processes_leaves_its_averagers_buffers_nowhe
         (Path("/dev/shm") / name).unlink(missing_ok=True)
     # hivemind's own small shared buffers (its futures' states) may stay: bytes, not the groups' tensors
     assert sum(left.values()) < 4096, f"left in /dev/shm: {left}"
+
+
+def _p2pd_below(pid: int) -> int:
+    return wait_for(lambda: next(iter(_helpers(pid, "p2pd")), None), 60, "p2pd")
+
+
+def test_a_bootstrap_whose_p2pd_exited_says_so_and_exits_for_its_supervisor_to_restart_it(tmp_path):
+    """`spes-node dht` without p2pd would answer nobody for good; docker compose restarts it if it exits."""
+    out = tmp_path / "dht.log"
+    with open(out, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "spes_node.cli", "dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, **NODE_ENV),
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+    try:
+        wait_for(lambda: "/p2p/" in out.read_text(), 120, "the bootstrap's multiaddr")
+        os.kill(
+            _p2pd_below(proc.pid), signal.SIGTERM
+        )  # what the test bootstrap's p2pd met (`Swarm.keep_bootstrap`)
+        code = proc.wait(120)
+        text = out.read_text()
+        assert code == 1, text
+        assert "Traceback" not in text, text
+        errors = [line for line in text.splitlines() if line.startswith("spes-node: error")]
+        # p2pd exits 143 on SIGTERM, or 0 when the DHT's connection to it closed first
+        assert len(errors) == 1 and re.fullmatch(
+            r"spes-node: error: the DHT process's p2pd exited \(code (0|143)\): the bootstrap DHT peer stopped; "
+            r"start it again",
+            errors[0],
+        ), text
+        assert not descendants(proc.pid)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+def test_the_test_swarm_starts_its_bootstrap_again_should_its_p2pd_exit(tmp_path):
+    """The tests' bootstrap is infrastructure (`Swarm.keep_bootstrap`): after its p2pd exits, records of nodes that
+    joined before and after show up again, and a node started afterwards joins at the same address."""
+    swarm = Swarm(tmp_path)
+    try:
+        swarm.start("a", "--shard", "0")
+        swarm.wait_for(lambda: any(n.public_name == "a" for n in swarm.nodes().values()), 120, "a's record")
+        maddr = swarm.maddr
+        os.kill(_p2pd_below(swarm.bootstrap.pid), signal.SIGTERM)
+        wait_for(lambda: p2pd_exit_code(swarm.bootstrap) is not None, 60, "p2pd to exit")
+        with pytest.warns(UserWarning, match="bootstrap p2pd exited"):
+            swarm.start("b", "--shard", "1")
+        assert swarm.maddr == maddr and len(swarm.bootstrap_restarts) == 1
+        names = lambda: {n.public_name for n in swarm.nodes().values()}  # noqa: E731
+        swarm.wait_for(lambda: names() >= {"a", "b"}, 120, "both records", seen=lambda: str(names()))
+        swarm.wait_for(lambda: "shared group 2" in swarm.log("b"), 240, "b averaging with a")
+    finally:
+        swarm.close()

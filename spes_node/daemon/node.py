@@ -44,7 +44,6 @@ from spes_node.daemon.pacing import RoundPacer
 from spes_node.daemon.placement import assign_joiners, data_part, reachable
 from spes_node.daemon.round import RoundInputs, RoundReport, SpesRound, StateTaken, live_peers, next_data_part
 from spes_node.daemon.trainer import Trainer
-from spes_node.daemon.watchdog import HANG_HEARTBEATS, DHTWatch
 from spes_node.devices import resolve_device
 from spes_node.errors import SpesError
 from spes_node.files import write_text_atomic
@@ -58,6 +57,7 @@ from spes_node.swarm.connections import aged_connections, close_connections
 from spes_node.swarm.identity import load_or_create_identity
 from spes_node.swarm.progress import ROUND_SLACK, RecentPeers, RoundMembers, consensus_round, should_catch_up
 from spes_node.swarm.swarm_key import SwarmKey
+from spes_node.swarm.watchdog import HANG_HEARTBEATS, DHTWatch
 
 logger = logging.getLogger(__name__)
 

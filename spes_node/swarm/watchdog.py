@@ -28,6 +28,15 @@ async def _answer(_dht, node) -> int | None:
     return None if p2pd is None else p2pd.returncode
 
 
+def p2pd_exit_code(dht: hivemind.DHT, timeout: float = 10.0) -> int | None:
+    """The exit code of `dht`'s p2pd, None while it runs or when the DHT process does not answer within `timeout`
+    seconds (a loaded machine: that is a hang's question, `DHTWatch`'s, not this one's)."""
+    try:
+        return dht.run_coroutine(_answer, return_future=True).result(timeout)
+    except Exception:
+        return None
+
+
 class DHTWatch:
     def __init__(self, dht: hivemind.DHT, hang_s: float):
         self.dht, self.hang_s = dht, hang_s
