@@ -21,10 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from swarm_utils import FAST, NODE_ENV, Swarm, die_with_parent, wait_for
+from swarm_utils import NODE_ENV, Swarm, die_with_parent, wait_for
 
-from spes_node.config import load_preset
-from spes_node.swarm.bootstrap import start_bootstrap
 from spes_node.swarm.swarm_key import SwarmKey
 
 TBF_BURST = "32kbit"
@@ -255,21 +253,15 @@ class HostSwarm(Swarm):
         run_id: str = "t",
         **swarm_overrides,
     ):
-        # Swarm.__init__ starts an open bootstrap on 127.0.0.1; this one may listen elsewhere and hold a key
-        self.tmp, self.run_id = Path(tmp_path), run_id
-        self.cfg = load_preset("tiny").replace(swarm={**FAST, **swarm_overrides})
-        self.config_path = self.tmp / "config.json"
-        self.config_path.write_text(self.cfg.to_json())
         self.key = SwarmKey.from_text(swarm_key) if swarm_key else None
-        self.key_file = self.tmp / "swarm.key" if swarm_key else None
+        self.key_file = Path(tmp_path) / "swarm.key" if swarm_key else None
         if self.key_file is not None:
             self.key_file.write_text(swarm_key)
             self.key_file.chmod(0o600)
         # as `spes-node dht` runs it: public reachability, so it is a circuit relay for NAT'd nodes from the start
-        self.bootstrap = start_bootstrap([bootstrap_maddr], swarm_key=self.key)
-        self.maddr = str(self.bootstrap.get_visible_maddrs()[0])
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.expected_deaths: set[str] = set()
+        super().__init__(
+            tmp_path, run_id, bootstrap_maddr=bootstrap_maddr, bootstrap_key=self.key, **swarm_overrides
+        )
 
     def start(
         self,
@@ -283,6 +275,7 @@ class HostSwarm(Swarm):
     ) -> subprocess.Popen:
         """Start node `name` (its log: `name`.log) with the checkpoint dir `node_dir` (default: `name`); `program`:
         what python runs (a test-only entry point, for example)."""
+        self.keep_bootstrap()  # a node given a bootstrap without p2pd could not join
         node_dir = self.tmp / (node_dir or name)
         node_dir.mkdir(exist_ok=True)
         cmd = [

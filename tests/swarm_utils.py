@@ -18,7 +18,6 @@ from typing import TypeVar
 
 import hivemind
 import pytest
-from hivemind.utils.multiaddr import Multiaddr
 
 from spes_node.config import load_preset
 from spes_node.daemon.checkpoint import CheckpointManager
@@ -118,15 +117,28 @@ def spes_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 class Swarm:
     """A bootstrap DHT plus `spes-node join` processes, each with its own checkpoint dir and log file."""
 
-    def __init__(self, tmp_path: Path, run_id: str = "t", **swarm_overrides):
+    def __init__(
+        self,
+        tmp_path: Path,
+        run_id: str = "t",
+        *,
+        bootstrap_maddr: str = "/ip4/127.0.0.1/tcp/0",
+        bootstrap_key=None,
+        **swarm_overrides,
+    ):
+        """The bootstrap listens on `bootstrap_maddr` and, with `bootstrap_key` (a `SwarmKey`), holds that key."""
         self.tmp, self.run_id = Path(tmp_path), run_id
         self.cfg = load_preset("tiny").replace(swarm={**FAST, **swarm_overrides})
         self.config_path = self.tmp / "config.json"
         self.config_path.write_text(self.cfg.to_json())
         # with an identity file and, once known, a fixed port: `keep_bootstrap` can start it again at this address
         self._bootstrap_identity = str(self.tmp / "bootstrap.key")
-        self.bootstrap = start_bootstrap(["/ip4/127.0.0.1/tcp/0"], identity=self._bootstrap_identity)
+        self._bootstrap_key = bootstrap_key
+        self.bootstrap = start_bootstrap(
+            [bootstrap_maddr], identity=self._bootstrap_identity, swarm_key=bootstrap_key
+        )
         self.maddr = str(self.bootstrap.get_visible_maddrs()[0])
+        self._bootstrap_listen = self.maddr.split("/p2p/")[0]
         self._seen_maddrs: dict[str, list[str]] = {}
         self.bootstrap_restarts: list[str] = []
         self.procs: dict[str, subprocess.Popen] = {}
@@ -203,21 +215,17 @@ class Swarm:
             problem = f"p2pd exited (code {code})"
         else:
             return
-        port = Multiaddr(self.maddr).value_for_protocol("tcp")
         message = f"the test's bootstrap {problem}: started again at {self.maddr}"
         self.bootstrap_restarts.append(message)
         warnings.warn(message, stacklevel=2)
         self.bootstrap.shutdown()
         self.bootstrap.end_orphans()
+        again = dict(identity=self._bootstrap_identity, swarm_key=self._bootstrap_key)
         peers = [maddr for maddrs in self._seen_maddrs.values() for maddr in maddrs]
         try:  # the nodes read before know where the swarm is; the bootstrap on its own would know nobody
-            self.bootstrap = start_bootstrap(
-                [f"/ip4/127.0.0.1/tcp/{port}"], identity=self._bootstrap_identity, peers=peers
-            )
+            self.bootstrap = start_bootstrap([self._bootstrap_listen], peers=peers, **again)
         except Exception:
-            self.bootstrap = start_bootstrap(
-                [f"/ip4/127.0.0.1/tcp/{port}"], identity=self._bootstrap_identity
-            )
+            self.bootstrap = start_bootstrap([self._bootstrap_listen], **again)
 
     def check_alive(self) -> None:
         """Fail early when a node died (a node that finished its --max-rounds exits 0 and is fine)."""
