@@ -206,9 +206,9 @@ class Swarm:
         """Start the bootstrap again, at the same address, should its p2pd have exited (with a warning that the
         test's summary shows). It is the test's infrastructure, not what the test checks; without its p2pd the DHT
         answers reads from its own storage alone, so a node that joined afterwards never showed up in them, and a
-        node started afterwards could not join. Seen twice in whole-suite runs on a loaded machine, in the same
-        placement test, the cause not found (a SIGTERM to p2pd leaves exactly that trace; nothing in the project or
-        its tests sends one to a process it did not start)."""
+        node started afterwards could not join. Seen in one CI run of the whole suite, in a placement test (and with
+        the same symptom in a loaded run before), the cause not found: a SIGTERM to p2pd leaves exactly that trace,
+        and nothing in the project or its tests sends one to a process it did not start."""
         if not self.bootstrap.is_alive():
             problem = f"DHT process exited (code {self.bootstrap.exitcode})"
         elif (code := p2pd_exit_code(self.bootstrap)) is not None:
