@@ -23,6 +23,8 @@ HANG_S = 300.0
 
 
 class BootstrapStopped(SpesError):
+    """Its DHT process or p2pd died while it ran: a fault met while running (exit code 1), not bad input."""
+
     exit_code = 1
 
 
