@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from swarm_utils import NODE_ENV, Swarm, die_with_parent, wait_for
+from swarm_utils import Swarm, launch, wait_for
 
 from spes_node.swarm.swarm_key import SwarmKey
 
@@ -291,16 +291,7 @@ class HostSwarm(Swarm):
                 "1",
             ]  # as before shards by capacity: --shards auto would hold every tiny shard here
         cmd += list(args)
-        with open(self.tmp / f"{name}.log", "w") as log:
-            proc = subprocess.Popen(
-                host.command(*cmd) if host else cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **NODE_ENV, **(env or {})},
-                start_new_session=True,
-                preexec_fn=die_with_parent,
-            )
-        self.procs[name] = proc
+        proc = self.procs[name] = launch(host.command(*cmd) if host else cmd, self.tmp / f"{name}.log", env)
         return proc
 
     def close(self, names=None) -> None:

@@ -48,6 +48,20 @@ def die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def launch(cmd: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a test daemon: its output into `log_path`, its own session (a group signal reaches it and what it
+    started), killed by the kernel should the test process die; `env` is added to `NODE_ENV`."""
+    with open(log_path, "w") as log:
+        return subprocess.Popen(
+            list(cmd),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **NODE_ENV, **(env or {})},
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -166,16 +180,7 @@ class Swarm:
             *config_args, "--checkpoint-dir", str(node_dir), "--device", "cpu",
             "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--public-name", name, *args,
         ]  # fmt: skip
-        with open(self.tmp / f"{name}.log", "w") as log:
-            proc = subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=dict(os.environ, **NODE_ENV),
-                start_new_session=True,
-                preexec_fn=die_with_parent,
-            )
-        self.procs[name] = proc
+        proc = self.procs[name] = launch(cmd, self.tmp / f"{name}.log")
         return proc
 
     def crash(self, name: str) -> None:

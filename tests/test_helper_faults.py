@@ -6,14 +6,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import hivemind
 import pytest
-from swarm_utils import NODE_ENV, Swarm, die_with_parent, running, wait_for
+from swarm_utils import Swarm, launch, running, wait_for
 
 from spes_node.procs import children, descendants, kill_if_same, kill_tree, start_time
 from spes_node.swarm.watchdog import DHTWatch, p2pd_exit_code
@@ -197,20 +196,13 @@ def _p2pd_below(pid: int) -> int:
 def test_a_bootstrap_whose_p2pd_exited_says_so_and_exits_for_its_supervisor_to_restart_it(tmp_path):
     """`spes-node dht` without p2pd would answer nobody for good; docker compose restarts it if it exits."""
     out = tmp_path / "dht.log"
-    with open(out, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "spes_node.cli", "dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=dict(os.environ, **NODE_ENV),
-            start_new_session=True,
-            preexec_fn=die_with_parent,
-        )
+    proc = launch(
+        [sys.executable, "-m", "spes_node.cli", "dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], out
+    )
     try:
         wait_for(lambda: "/p2p/" in out.read_text(), 120, "the bootstrap's multiaddr")
-        os.kill(
-            _p2pd_below(proc.pid), signal.SIGTERM
-        )  # what the test bootstrap's p2pd met (`Swarm.keep_bootstrap`)
+        # what the test bootstrap's p2pd met (`Swarm.keep_bootstrap`)
+        os.kill(_p2pd_below(proc.pid), signal.SIGTERM)
         code = proc.wait(120)
         text = out.read_text()
         assert code == 1, text
